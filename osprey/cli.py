@@ -1,0 +1,37 @@
+"""The `osprey` command line: one subcommand per pipeline stage, each defined by the module that implements it.
+
+A stage joins the CLI by adding its module to `SUBCOMMAND_MODULES` and defining `add_subcommand(subparsers)` there,
+which adds its parser and sets a `run` default: a callable taking the parsed arguments and returning the exit code.
+A `ValueError` from a stage means bad input: it is reported in one line on stderr with exit code 2, like argparse's
+own usage errors, rather than as a traceback.
+"""
+
+import argparse
+import importlib
+import sys
+
+
+SUBCOMMAND_MODULES = ("osprey.zoo",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="osprey", description="Target-agnostic pretrained drafters for lossless speculative decoding."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module_name in SUBCOMMAND_MODULES:
+        importlib.import_module(module_name).add_subcommand(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as error:
+        print(f"osprey {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
