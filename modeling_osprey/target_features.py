@@ -6,9 +6,10 @@ final block is the one exception: transformers replaces the tuple's last entry w
 while a tap on block ``L - 1`` sees the block's raw output.
 
 Taps are read with forward hooks on exactly the tap blocks. transformers 5.24 can also select hidden states with
-``output_hidden_states=[i + 1, ...]`` (indexed like the tuple, unselected entries left ``None``), but only on models
-whose forward uses its ``capture_outputs`` decorator (not most ``trust_remote_code`` targets) and only for calls that
-pass the argument. Hooks see every forward of the target whoever makes it, ``generate`` included.
+``output_hidden_states=[i + 1, ...]`` (indexed like the tuple; unselected entries are ``None``, not kept, though every
+block still runs), but only on models whose forward uses its ``capture_outputs`` decorator (remote-code targets may
+not) and only for calls that pass the argument. Hooks see every forward of the target whoever makes it, ``generate``
+included.
 """
 
 from collections.abc import Sequence

@@ -1,0 +1,157 @@
+"""Chain drafting: the core shared by `target.generate(ids, assistant_model=drafter)` and `osprey.decode`.
+
+Position convention (EAGLE's): drafter position `t` pairs the target's features at position `t` (the hidden states
+that predicted token `t + 1`) with the embedding of token `t + 1`, and predicts token `t + 2`. So for a sequence of
+`N` tokens whose first `N - 1` positions the target has verified, the drafter reads positions `0 .. N - 2`, and its
+last one proposes token `N`; every further draft step feeds back the drafter's own pre-norm hidden state in place of
+the target's features. Cache entries computed from such predicted features are recomputed from the target's real
+features once it has verified the tokens.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DynamicCache
+from transformers.generation import LogitsProcessorList
+
+
+@dataclass
+class DraftState:
+    """The drafter's memory of one sequence being generated.
+
+    Attributes:
+        cache: the drafter's KV cache.
+        num_verified_positions: how many leading drafter positions were computed from the target's real features;
+            entries past them came from the drafter's own predictions and are dropped before the next draft.
+    """
+
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    num_verified_positions: int = 0
+
+
+def draft_scores_over_target_vocab(drafter, draft_logits: torch.Tensor) -> torch.Tensor:
+    """Scores over the whole target vocabulary: a reduced draft vocabulary leaves the other tokens at -inf, so a
+    draft sampled from these scores has exactly the probabilities the verifier will be told."""
+    draft_logits = draft_logits.float()
+    if drafter.config.draft_vocab_size == drafter.config.vocab_size:
+        return draft_logits
+    scores = draft_logits.new_full((draft_logits.shape[0], drafter.config.vocab_size), float("-inf"))
+    scores[:, drafter.draft_to_target] = draft_logits
+    return scores
+
+
+def choose_draft_token(
+    drafter,
+    draft_logits: torch.Tensor,
+    sequence: torch.LongTensor,
+    logits_processor: LogitsProcessorList | None,
+    do_sample: bool,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.LongTensor, torch.Tensor]:
+    """Picks the next draft token (target id) from the drafter's last-position logits, after the same logits
+    processors the target applies; returns it with the processed scores it was drawn from."""
+    scores = draft_scores_over_target_vocab(drafter, draft_logits)
+    if logits_processor:
+        scores = logits_processor(sequence, scores)
+    if do_sample:
+        token = torch.multinomial(scores.softmax(dim=-1), num_samples=1, generator=generator)
+    else:
+        token = scores.argmax(dim=-1, keepdim=True)
+    return token, scores
+
+
+@torch.no_grad()
+def draft_chain(
+    drafter,
+    state: DraftState,
+    input_ids: torch.LongTensor,
+    new_target_features: torch.Tensor,
+    num_draft_tokens: int,
+    logits_processor: LogitsProcessorList | None = None,
+    do_sample: bool = False,
+    eos_token_ids: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.LongTensor, torch.Tensor]:
+    """Drafts up to `num_draft_tokens` tokens following `input_ids` (batch 1), one drafter step each.
+
+    Args:
+        input_ids: the sequence so far; the target has verified every position but the last token's.
+        new_target_features: the target's tap features for positions `state.num_verified_positions .. N - 2`
+            (`N = input_ids.shape[1]`); trailing extra positions (from rejected drafts) are ignored.
+        eos_token_ids: drafting stops after proposing one of these.
+
+    Returns:
+        The draft token ids `(1, k)` in the target vocabulary (`1 <= k <= num_draft_tokens`) and the processed
+        scores `(1, k, vocab_size)` each was chosen from.
+    """
+    start, sequence_length = state.num_verified_positions, input_ids.shape[1]
+    num_new_positions = sequence_length - 1 - start
+    if num_new_positions < 1 or new_target_features.shape[1] < num_new_positions:
+        raise RuntimeError(
+            f"The drafter expected target features for positions {start}..{sequence_length - 2} but got "
+            f"{new_target_features.shape[1]} position(s): the target and the drafter's state went out of sync. "
+            "Start a new generation (a fresh DraftState)."
+        )
+    crop_cache(state.cache, start)
+    outputs = drafter(
+        input_ids[:, start + 1 :],
+        target_hidden_states=new_target_features[:, :num_new_positions].to(drafter.dtype),
+        cache=state.cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    state.num_verified_positions = sequence_length - 1
+    return _continue_chain(
+        drafter, outputs, state.cache, input_ids, num_draft_tokens, logits_processor, do_sample, eos_token_ids, generator
+    )
+
+
+@torch.no_grad()
+def draft_without_target_features(
+    drafter,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList | None = None,
+    do_sample: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.LongTensor, torch.Tensor]:
+    """One draft token before the target has run at all: with zero features the drafter falls back on its
+    pretrained backbone, reading the prompt as a plain LM (so the pairing shift does not apply). Nothing is cached."""
+    features = torch.zeros(
+        (*input_ids.shape, drafter.config.fused_feature_size), dtype=drafter.dtype, device=input_ids.device
+    )
+    outputs = drafter(input_ids, target_hidden_states=features, use_cache=False, logits_to_keep=1)
+    token, scores = choose_draft_token(
+        drafter, outputs.logits[:, -1], input_ids, logits_processor, do_sample, generator
+    )
+    return token, scores[:, None]
+
+
+def _continue_chain(
+    drafter, outputs, cache, input_ids, num_draft_tokens, logits_processor, do_sample, eos_token_ids, generator
+):
+    sequence, draft_ids, draft_scores = input_ids, [], []
+    for step in range(num_draft_tokens):
+        token, scores = choose_draft_token(
+            drafter, outputs.logits[:, -1], sequence, logits_processor, do_sample, generator
+        )
+        sequence = torch.cat([sequence, token], dim=-1)
+        draft_ids.append(token)
+        draft_scores.append(scores)
+        is_eos = eos_token_ids is not None and bool(torch.isin(token, eos_token_ids).any())
+        if is_eos or step == num_draft_tokens - 1:
+            break
+        outputs = drafter(
+            token,
+            draft_hidden_states=outputs.prenorm_hidden_states[:, -1:],
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    return torch.cat(draft_ids, dim=-1), torch.stack(draft_scores, dim=1)
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Keeps the first `length` positions (in transformers 5.24 `crop(-n)` removes the last n)."""
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)

@@ -1,0 +1,182 @@
+"""Stage 5, decode: a standalone speculative decoding loop with per-request statistics.
+
+`target.generate(ids, assistant_model=drafter)` is the user-facing path; this loop runs the same drafting core
+(`modeling_osprey.generation_osprey`) without transformers' `generate` machinery, so benchmarks and the demo can see
+every verification step: how many drafts were accepted where, and the mean acceptance length τ.
+
+Verification is lossless. Greedy: a draft is accepted while it equals the target's argmax. Sampling (speculative
+sampling, Leviathan et al. 2023): draft `d ~ q` is accepted with probability `min(1, p(d) / q(d))`; the first rejected
+position is resampled from `norm(max(0, p - q))`; when every draft is accepted a bonus token is drawn from `p`. `p`
+and `q` are the target's and drafter's distributions after the same logits processors (temperature, top-k, top-p).
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DynamicCache
+from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from modeling_osprey.generation_osprey import DraftState, crop_cache, draft_chain
+from modeling_osprey.target_features import TargetFeatureCapture
+
+
+@dataclass
+class SpeculativeStats:
+    """What one request's decoding did.
+
+    Attributes:
+        new_tokens: tokens generated, the prefill's included.
+        accepted_per_step: draft tokens the target accepted at each verification step.
+        drafted_per_step: draft tokens proposed at each verification step.
+        wall_time_s: seconds spent in the loop, prefill included.
+    """
+
+    new_tokens: int = 0
+    accepted_per_step: list[int] = field(default_factory=list)
+    drafted_per_step: list[int] = field(default_factory=list)
+    wall_time_s: float = 0.0
+
+    @property
+    def verify_steps(self) -> int:
+        return len(self.accepted_per_step)
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length: tokens per verification step, the target's own (bonus) token counted."""
+        return sum(accepted + 1 for accepted in self.accepted_per_step) / max(self.verify_steps, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_time_s if self.wall_time_s else 0.0
+
+    def position_acceptance_rates(self) -> list[float]:
+        """For draft position k (0-based): the fraction of steps that drafted a k-th token where it was accepted."""
+        longest = max(self.drafted_per_step, default=0)
+        rates = []
+        for position in range(longest):
+            reached = sum(1 for drafted in self.drafted_per_step if drafted > position)
+            accepted = sum(1 for accepted in self.accepted_per_step if accepted > position)
+            rates.append(accepted / reached)
+        return rates
+
+    def to_dict(self) -> dict:
+        return {
+            "new_tokens": self.new_tokens,
+            "verify_steps": self.verify_steps,
+            "tau": self.tau,
+            "tokens_per_s": self.tokens_per_s,
+            "wall_time_s": self.wall_time_s,
+            "position_acceptance_rates": self.position_acceptance_rates(),
+            "accepted_per_step": self.accepted_per_step,
+        }
+
+
+def sampling_processors(temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
+    """transformers' warpers for sampling, applied identically to target and drafter scores."""
+    processors = LogitsProcessorList()
+    if temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k is not None:
+        processors.append(TopKLogitsWarper(top_k))
+    if top_p is not None:
+        processors.append(TopPLogitsWarper(top_p))
+    return processors
+
+
+@torch.no_grad()
+def speculative_generate(
+    target,
+    drafter,
+    input_ids: torch.LongTensor,
+    max_new_tokens: int = 128,
+    num_draft_tokens: int = 5,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | list[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.LongTensor, SpeculativeStats]:
+    """Generates up to `max_new_tokens` after `input_ids` (batch 1) with `drafter` proposing chains of
+    `num_draft_tokens` and `target` verifying them; returns the full sequence and the request's statistics."""
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"speculative_generate decodes one prompt at a time, got batch size {input_ids.shape[0]}.")
+    processors = sampling_processors(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
+    eos_ids = None if eos_token_id is None else torch.tensor(eos_token_id, device=input_ids.device).view(-1)
+    stats, start_time = SpeculativeStats(), time.perf_counter()
+    with TargetFeatureCapture(target, drafter.config.target_layer_ids) as capture:
+        cache = DynamicCache(config=target.config)
+        cache.activate_past_recording()  # sliding-window layers must keep what they slide out, to roll back
+        logits = target(input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:]
+        first = _target_tokens(logits.float(), input_ids, processors, do_sample, generator)
+        sequence, features = torch.cat([input_ids, first], dim=-1), capture.features
+        stats.new_tokens = 1
+        state = DraftState()
+        while stats.new_tokens < max_new_tokens and not _ends_with(sequence, eos_ids):
+            budget = min(num_draft_tokens, max_new_tokens - stats.new_tokens - 1)
+            if budget > 0:
+                drafts, draft_scores = draft_chain(
+                    drafter, state, sequence, features, budget, processors, do_sample, eos_ids, generator
+                )
+            else:  # room for one token only: the target's own
+                drafts, draft_scores = sequence.new_empty(1, 0), None
+            verify_input = torch.cat([sequence[:, -1:], drafts], dim=-1)
+            logits = target(verify_input, cache=cache, use_cache=True, logits_to_keep=verify_input.shape[1]).logits
+            features = capture.features
+            accepted, next_token = _verify(logits.float(), sequence, drafts, draft_scores, processors, do_sample, generator)
+            emitted = torch.cat([drafts[:, :accepted], next_token], dim=-1)
+            emitted = _truncate_after_eos(emitted, eos_ids)[:, : max_new_tokens - stats.new_tokens]
+            crop_cache(cache, sequence.shape[1] + accepted)  # the verified positions; the next token is not yet in
+            sequence = torch.cat([sequence, emitted], dim=-1)
+            stats.new_tokens += emitted.shape[1]
+            stats.accepted_per_step.append(accepted)
+            stats.drafted_per_step.append(drafts.shape[1])
+    stats.wall_time_s = time.perf_counter() - start_time
+    return sequence, stats
+
+
+def _target_tokens(logits, prefix, processors, do_sample, generator) -> torch.LongTensor:
+    scores = processors(prefix, logits[:, -1]) if processors else logits[:, -1]
+    if do_sample:
+        return torch.multinomial(scores.softmax(dim=-1), num_samples=1, generator=generator)
+    return scores.argmax(dim=-1, keepdim=True)
+
+
+def _verify(logits, sequence, drafts, draft_scores, processors, do_sample, generator) -> tuple[int, torch.LongTensor]:
+    """Number of drafts accepted, and the target's next token after them (a correction or the bonus token)."""
+    num_drafts = drafts.shape[1]
+    scores = torch.stack(
+        [
+            processors(torch.cat([sequence, drafts[:, :position]], dim=-1), logits[:, position])
+            if processors
+            else logits[:, position]
+            for position in range(num_drafts + 1)
+        ],
+        dim=1,
+    )
+    if not do_sample:
+        target_choice = scores.argmax(dim=-1)
+        matches = (target_choice[:, :num_drafts] == drafts)[0].tolist() + [False]
+        accepted = matches.index(False)
+        return accepted, target_choice[:, accepted : accepted + 1]
+    target_probs = scores.softmax(dim=-1)[0]
+    for position in range(num_drafts):
+        token = drafts[0, position]
+        draft_probs = draft_scores[0, position].softmax(dim=-1)
+        acceptance = (target_probs[position, token] / draft_probs[token]).clamp(max=1.0)
+        if torch.rand((), generator=generator, device=acceptance.device) >= acceptance:
+            residual = (target_probs[position] - draft_probs).clamp(min=0)
+            return position, torch.multinomial(residual / residual.sum(), 1, generator=generator)[None]
+    return num_drafts, torch.multinomial(target_probs[num_drafts], 1, generator=generator)[None]
+
+
+def _ends_with(sequence: torch.LongTensor, eos_ids: torch.Tensor | None) -> bool:
+    return eos_ids is not None and bool(torch.isin(sequence[0, -1], eos_ids))
+
+
+def _truncate_after_eos(tokens: torch.LongTensor, eos_ids: torch.Tensor | None) -> torch.LongTensor:
+    if eos_ids is None:
+        return tokens
+    is_eos = torch.isin(tokens[0], eos_ids).nonzero()
+    return tokens if len(is_eos) == 0 else tokens[:, : int(is_eos[0]) + 1]
