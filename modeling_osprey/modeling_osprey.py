@@ -189,7 +189,7 @@ class OspreyPreTrainedModel(PreTrainedModel):
         initialising them at random (a drafter with random rows drafts garbage without failing)."""
         local_dir = os.fspath(pretrained_model_name_or_path)
         if os.path.isdir(local_dir):
-            _check_safetensors_checkpoint(local_dir)
+            check_safetensors_checkpoint(local_dir)
         wants_loading_info = kwargs.pop("output_loading_info", False)
         kwargs.setdefault("use_safetensors", True)
         try:
@@ -217,17 +217,19 @@ class OspreyPreTrainedModel(PreTrainedModel):
             init.copy_(module.draft_to_target, torch.arange(self.config.draft_vocab_size))
 
 
-def _check_safetensors_checkpoint(directory: str) -> None:
+def check_safetensors_checkpoint(directory: str | os.PathLike) -> None:
+    """Osprey loads weights from safetensors only: pickle checkpoints can execute code when loaded."""
     files = os.listdir(directory)
     if any(name.endswith(".safetensors") for name in files):
         return
-    pickled = [name for name in files if name.endswith((".bin", ".pt", ".pth", ".ckpt"))]
-    if pickled:
-        raise OSError(
-            f"{directory} holds pickle weights ({', '.join(sorted(pickled))}) and no safetensors. Osprey loads only "
-            "safetensors (pickle files can run arbitrary code). Load it once with the code that wrote it and call "
-            "`save_pretrained(dir)`, which writes model.safetensors."
+    pickles = sorted(name for name in files if name.endswith((".bin", ".pt", ".pth", ".ckpt")))
+    if pickles:
+        raise ValueError(
+            f"{directory} holds only pickle weights ({', '.join(pickles)}); Osprey loads only safetensors. Convert it "
+            "once with the code that wrote it, e.g. `AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir)`, "
+            "which writes model.safetensors."
         )
+    raise ValueError(f"{directory} holds no safetensors weights (*.safetensors).")
 
 
 class OspreyModel(OspreyPreTrainedModel):

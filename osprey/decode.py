@@ -10,6 +10,7 @@ position is resampled from `norm(max(0, p - q))`; when every draft is accepted a
 and `q` are the target's and drafter's distributions after the same logits processors (temperature, top-k, top-p).
 """
 
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -109,6 +110,11 @@ def speculative_generate(
         cache = DynamicCache(config=target.config)
         cache.activate_past_recording()  # sliding-window layers must keep what they slide out, to roll back
         logits = target(input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:]
+        if not cache.is_croppable:
+            raise ValueError(
+                f"{type(target).__name__}'s cache keeps recurrent (or quantized) state that cannot be rolled back after "
+                "rejected drafts, so it cannot be verified speculatively. Use a target with attention KV caches."
+            )
         first = _target_tokens(logits.float(), input_ids, processors, do_sample, generator)
         sequence, features = torch.cat([input_ids, first], dim=-1), capture.features
         stats.new_tokens = 1
@@ -180,3 +186,56 @@ def _truncate_after_eos(tokens: torch.LongTensor, eos_ids: torch.Tensor | None) 
         return tokens
     is_eos = torch.isin(tokens[0], eos_ids).nonzero()
     return tokens if len(is_eos) == 0 else tokens[:, : int(is_eos[0]) + 1]
+
+
+def add_subcommand(subparsers) -> None:
+    """Adds `osprey decode` to the CLI (see `osprey.cli`)."""
+    parser = subparsers.add_parser(
+        "decode", help="generate with a drafter and the target verifying; print the text and τ, tokens/s, speedup"
+    )
+    parser.add_argument("--target", required=True, help="zoo name, local directory or Hub id of the target")
+    parser.add_argument("--drafter", required=True, help="directory or Hub id of an Osprey drafter")
+    parser.add_argument("--prompt", required=True, help="user message (the target's chat template is applied)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--num-draft-tokens", type=int, default=5, help="chain length per verification step")
+    parser.add_argument("--do-sample", action="store_true", help="sample (lossless) instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--compare", action="store_true", help="also time plain target decoding, for the speedup")
+    parser.set_defaults(run=_run_decode)
+
+
+def _run_decode(args) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from .zoo import load_causal_lm, load_tokenizer, resolve_model_path
+
+    dtype = getattr(torch, args.dtype)
+    target, tokenizer = load_causal_lm(args.target, dtype=dtype).eval(), load_tokenizer(args.target)
+    drafter = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(args.drafter), dtype=dtype, trust_remote_code=True
+    ).eval()
+    messages = [{"role": "user", "content": args.prompt}]
+    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
+    sampling = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    output, stats = speculative_generate(
+        target, drafter, input_ids, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+        eos_token_id=target.generation_config.eos_token_id, generator=torch.Generator().manual_seed(args.seed),
+        **sampling,
+    )  # fmt: skip
+    print(tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True))
+    report = stats.to_dict()
+    del report["accepted_per_step"]
+    if args.compare:  # plain decoding of as many tokens, timed in the same process
+        length = dict(max_new_tokens=stats.new_tokens) | (dict(min_new_tokens=stats.new_tokens) if args.do_sample else {})
+        start = time.perf_counter()
+        target.generate(input_ids, **length, **sampling)
+        report["target_only_tokens_per_s"] = stats.new_tokens / (time.perf_counter() - start)
+        report["speedup"] = report["tokens_per_s"] / report["target_only_tokens_per_s"]
+    print(json.dumps(report, indent=2))
+    return 0

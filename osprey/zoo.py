@@ -24,14 +24,18 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import huggingface_hub
 import torch
 from accelerate import init_empty_weights
 from filelock import FileLock
+from huggingface_hub.errors import HFValidationError
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
+
+from modeling_osprey.modeling_osprey import check_safetensors_checkpoint
 
 
 logger = logging.get_logger(__name__)
@@ -213,7 +217,7 @@ def _requirement_key(requirement: str) -> str:
 
 
 def _wheels_by_requirement(wheel_dir: Path) -> dict[str, Path]:
-    """The wheels in `wheel_dir`, keyed by the pinned requirement each satisfies (see `_requirement_key`)."""
+    """The wheels in `wheel_dir`, keyed like `_requirement_key` by the pinned requirement each one satisfies."""
     wheels = {}
     for wheel in wheel_dir.glob("*.whl"):
         dist, version, *_ = parse_wheel_filename(wheel.name)
@@ -310,20 +314,6 @@ def _write_manifest(model: ZooModel, output_dir: Path) -> None:
 _HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "*.py", "*.model", "*.txt", "*.jinja"]
 
 
-def _check_safetensors_checkpoint(directory: Path) -> None:
-    """Osprey loads weights from safetensors only: pickle checkpoints can execute code when loaded."""
-    if any(directory.glob("*.safetensors")):
-        return
-    pickles = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth") for p in directory.glob(pattern))
-    if pickles:
-        raise ValueError(
-            f"{directory} holds only pickle weights ({', '.join(pickles)}); Osprey loads only safetensors. Convert "
-            "it once with transformers: `AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir)` writes "
-            "model.safetensors (and the same for the tokenizer if needed)."
-        )
-    raise ValueError(f"{directory} holds no safetensors weights (*.safetensors).")
-
-
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:
     """A local directory with safetensors weights for a zoo name, a local checkpoint directory or a Hub repo id."""
     name_or_path = str(name_or_path)
@@ -331,21 +321,18 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
         return str(fetch(name_or_path))
     directory = Path(name_or_path).expanduser()
     if not directory.is_dir():
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HFValidationError
-
         try:
-            directory = Path(snapshot_download(name_or_path, allow_patterns=_HUB_PATTERNS))
+            directory = Path(huggingface_hub.snapshot_download(name_or_path, allow_patterns=_HUB_PATTERNS))
         except HFValidationError as error:
             raise ValueError(
                 f"{name_or_path!r} is neither a zoo model ({', '.join(ZOO)}), a local directory, nor a Hub repo id."
             ) from error
-        except Exception as error:  # offline, unknown or gated repo: the hub's own message says which
+        except OSError as error:  # offline, unknown or gated repo: the hub's own message says which
             raise OSError(
                 f"{name_or_path!r} is not a zoo model ({', '.join(ZOO)}) or a local directory, and downloading it "
                 f"from the Hugging Face Hub failed: {type(error).__name__}: {error}"
             ) from error
-    _check_safetensors_checkpoint(directory)
+    check_safetensors_checkpoint(directory)
     return str(directory)
 
 
@@ -376,7 +363,7 @@ def _run_fetch(args) -> int:
         width = max(map(len, ZOO))
         for name, model in ZOO.items():
             status = "cached" if is_cached(name, args.cache_dir) else "not cached"
-            print(f"{name:<{width}}  [{status:>10}]  {model.description}")
+            print(f"{name:<{width}}  {status:<10}  {model.description}")
         return 0
     if not args.names:
         raise ValueError("name at least one zoo model, or pass --list")

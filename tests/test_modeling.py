@@ -263,7 +263,8 @@ def test_save_writes_auto_map_and_remote_code(tmp_path):
         "AutoModel": "modeling_osprey.OspreyModel",
         "AutoModelForCausalLM": "modeling_osprey.OspreyForDrafting",
     }
-    assert {"modeling_osprey.py", "configuration_osprey.py", "model.safetensors"} <= set(os.listdir(tmp_path))
+    remote_code = {"modeling_osprey.py", "configuration_osprey.py", "generation_osprey.py", "target_features.py"}
+    assert remote_code | {"model.safetensors", "generation_config.json"} <= set(os.listdir(tmp_path))
 
 
 REMOTE_LOAD_SCRIPT = textwrap.dedent(
@@ -277,7 +278,7 @@ REMOTE_LOAD_SCRIPT = textwrap.dedent(
                 raise ImportError(f"{name} must not be importable in this test")
 
     sys.meta_path.insert(0, RefuseOsprey())
-    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     checkpoint, inputs_path = sys.argv[1], sys.argv[2]
     inputs = torch.load(inputs_path)
@@ -287,6 +288,16 @@ REMOTE_LOAD_SCRIPT = textwrap.dedent(
     assert type(body).__name__ == "OspreyModel", type(body)
     with torch.no_grad():
         logits = drafter(inputs["input_ids"], target_hidden_states=inputs["features"]).logits
+
+    # The remote-code drafter also speculates for a target through plain transformers.
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=8,
+                                          num_attention_heads=4, num_key_value_heads=2)).eval()
+    drafter.attach_target(target)
+    prompt = inputs["input_ids"][:1, :5]
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    assisted = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=12,
+                               eos_token_id=None, pad_token_id=0)
+    assert torch.equal(plain, assisted), (plain, assisted)
     torch.save({"logits": logits, "state": drafter.state_dict()}, inputs_path + ".out")
     """
 )
@@ -350,7 +361,7 @@ def test_pickle_weights_are_refused_with_the_fix(tmp_path):
     drafter = tiny_drafter()
     drafter.config.save_pretrained(tmp_path)
     torch.save(drafter.state_dict(), tmp_path / "pytorch_model.bin")
-    with pytest.raises(OSError, match="save_pretrained"):
+    with pytest.raises(ValueError, match="only pickle weights.*save_pretrained"):
         OspreyForDrafting.from_pretrained(tmp_path)
 
 
