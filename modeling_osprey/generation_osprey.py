@@ -11,8 +11,11 @@ features once it has verified the tokens.
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from transformers.cache_utils import DynamicCache
-from transformers.generation import LogitsProcessorList
+from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, LogitsProcessorList
+
+from .target_features import TargetFeatureCapture
 
 
 @dataclass
@@ -155,3 +158,99 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
     excess = cache.get_seq_length() - length
     if excess > 0:
         cache.crop(-excess)
+
+
+class OspreyAssistantMixin:
+    """Makes an Osprey drafter an `assistant_model` for transformers' assisted generation: the target calls the
+    drafter's `generate` before each verification step, and the drafter reads the target's features through hooks
+    installed by `attach_target`. Expects `self._target_capture` and `self._draft_state` set to None at init."""
+
+    def attach_target(self, target: nn.Module) -> None:
+        """Hooks `target`'s tap layers so that `target.generate(..., assistant_model=self)` feeds this drafter.
+
+        Replaces any previously attached target. Raises if the drafter was built for a target of another shape.
+        """
+        target_config = target.config.get_text_config(decoder=True)
+        mismatches = [
+            f"{name} {theirs} != drafter's {ours}"
+            for name, theirs, ours in [
+                ("vocab_size", target_config.vocab_size, self.config.vocab_size),
+                ("hidden_size", target_config.hidden_size, self.config.target_hidden_size),
+            ]
+            if theirs != ours
+        ]
+        if mismatches:
+            raise ValueError(
+                f"This drafter was converted for another target ({self.config.target_model_type!r}, "
+                f"hidden size {self.config.target_hidden_size}, vocabulary {self.config.vocab_size}); "
+                f"{type(target).__name__} has {'; '.join(mismatches)}. Convert the backbone for this target with "
+                "`osprey convert --target ...`."
+            )
+        capture = TargetFeatureCapture(target, self.config.target_layer_ids)  # validates the taps first
+        self.detach_target()
+        self._target_capture = capture
+        self._draft_state = None
+
+    def detach_target(self) -> None:
+        """Removes the hooks `attach_target` installed; the target runs unobserved again."""
+        if self._target_capture is not None:
+            self._target_capture.remove()
+        self._target_capture = None
+        self._draft_state = None
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.LongTensor,
+        generation_config: GenerationConfig | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        max_new_tokens: int | None = None,
+        cache: DynamicCache | None = None,
+        **kwargs,
+    ) -> GenerateDecoderOnlyOutput:
+        """Drafts candidates for transformers' assisted generation (the target calls this; it is not a standalone LM
+        `generate`). Returns the sequence extended by a chain of draft tokens, the processed scores they were drawn
+        from (the verifier's `q` when sampling), and the drafter's KV cache as `cache`, which transformers hands back
+        on the next call: a call without this drafter's current cache starts a new sequence.
+
+        Remaining keyword arguments (attention mask, `min_new_tokens`, ...) are accepted and unused.
+        """
+        if self._target_capture is None:
+            raise ValueError(
+                "The Osprey drafter reads the target's hidden states: call `drafter.attach_target(target)` before "
+                "`target.generate(..., assistant_model=drafter)`."
+            )
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"Assisted generation drafts for one sequence at a time (got batch size {input_ids.shape[0]}); use "
+                "`osprey.decode.speculative_generate` per prompt."
+            )
+        generation_config = generation_config or self.generation_config
+        logits_processor = LogitsProcessorList(logits_processor or [])  # transformers passes a plain list
+        num_draft_tokens = max_new_tokens or generation_config.num_assistant_tokens
+        eos_token_ids = generation_config.eos_token_id
+        eos_token_ids = None if eos_token_ids is None else torch.tensor(eos_token_ids, device=input_ids.device).view(-1)
+        if self._draft_state is None or cache is not self._draft_state.cache:
+            # A new generation: forget the previous sequence and any target forward captured for it.
+            self._draft_state = DraftState()
+            self._target_capture.clear()
+            draft_ids, scores = draft_without_target_features(
+                self, input_ids, logits_processor, generation_config.do_sample
+            )
+        else:
+            draft_ids, scores = draft_chain(
+                self,
+                self._draft_state,
+                input_ids,
+                self._target_capture.features,
+                num_draft_tokens,
+                logits_processor,
+                generation_config.do_sample,
+                eos_token_ids,
+            )
+        self._target_capture.clear()
+        return GenerateDecoderOnlyOutput(
+            sequences=torch.cat([input_ids, draft_ids], dim=-1),
+            scores=tuple(scores.unbind(dim=1)),
+            cache=self._draft_state.cache,
+        )

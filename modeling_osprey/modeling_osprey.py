@@ -15,13 +15,11 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, LogitsProcessorList
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
 from .configuration_osprey import OspreyConfig
-from .generation_osprey import DraftState, draft_chain, draft_without_target_features
-from .target_features import TargetFeatureCapture
+from .generation_osprey import OspreyAssistantMixin
 
 
 class OspreyRMSNorm(nn.Module):
@@ -342,7 +340,7 @@ def _attention_mask(attention_mask, query_length: int, past_length: int, device)
     return mask
 
 
-class OspreyForDrafting(OspreyPreTrainedModel, GenerationMixin):
+class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationMixin):
     """An Osprey drafter: [`OspreyModel`] plus an LM head over the (optionally reduced) draft vocabulary.
 
     Speculative decoding with transformers:
@@ -366,8 +364,8 @@ class OspreyForDrafting(OspreyPreTrainedModel, GenerationMixin):
         # The paper drafts chains of 5 tokens; transformers' default (20, growing) wastes drafter steps.
         self.generation_config.num_assistant_tokens = 5
         self.generation_config.num_assistant_tokens_schedule = "constant"
-        self._target_capture: TargetFeatureCapture | None = None
-        self._draft_state: DraftState | None = None
+        self._target_capture = None
+        self._draft_state = None
         self.post_init()
 
     def get_input_embeddings(self):
@@ -412,97 +410,6 @@ class OspreyForDrafting(OspreyPreTrainedModel, GenerationMixin):
             logits=self.lm_head(hidden_states),
             prenorm_hidden_states=outputs.prenorm_hidden_states,
             cache=outputs.cache,
-        )
-
-
-    def attach_target(self, target: nn.Module) -> None:
-        """Hooks `target`'s tap layers so that `target.generate(..., assistant_model=self)` feeds this drafter.
-
-        Replaces any previously attached target. Raises if the drafter was built for a target of another shape.
-        """
-        target_config = target.config.get_text_config(decoder=True)
-        mismatches = [
-            f"{name} {theirs} != drafter's {ours}"
-            for name, theirs, ours in [
-                ("vocab_size", target_config.vocab_size, self.config.vocab_size),
-                ("hidden_size", target_config.hidden_size, self.config.target_hidden_size),
-            ]
-            if theirs != ours
-        ]
-        if mismatches:
-            raise ValueError(
-                f"This drafter was converted for another target ({self.config.target_model_type!r}, "
-                f"hidden size {self.config.target_hidden_size}, vocabulary {self.config.vocab_size}); "
-                f"{type(target).__name__} has {'; '.join(mismatches)}. Convert the backbone for this target with "
-                "`osprey convert --target ...`."
-            )
-        capture = TargetFeatureCapture(target, self.config.target_layer_ids)  # validates the taps first
-        self.detach_target()
-        self._target_capture = capture
-        self._draft_state = None
-
-    def detach_target(self) -> None:
-        """Removes the hooks `attach_target` installed; the target runs unobserved again."""
-        if self._target_capture is not None:
-            self._target_capture.remove()
-        self._target_capture = None
-        self._draft_state = None
-
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.LongTensor,
-        generation_config: GenerationConfig | None = None,
-        logits_processor: LogitsProcessorList | None = None,
-        max_new_tokens: int | None = None,
-        cache: DynamicCache | None = None,
-        **kwargs,
-    ) -> GenerateDecoderOnlyOutput:
-        """Drafts candidates for transformers' assisted generation (the target calls this; it is not a standalone LM
-        `generate`). Returns the sequence extended by a chain of draft tokens, the processed scores they were drawn
-        from (the verifier's `q` when sampling), and the drafter's KV cache as `cache`, which transformers hands back
-        on the next call: a call without this drafter's current cache starts a new sequence.
-
-        Remaining keyword arguments (attention mask, `min_new_tokens`, ...) are accepted and unused.
-        """
-        if self._target_capture is None:
-            raise ValueError(
-                "The Osprey drafter reads the target's hidden states: call `drafter.attach_target(target)` before "
-                "`target.generate(..., assistant_model=drafter)`."
-            )
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"Assisted generation drafts for one sequence at a time (got batch size {input_ids.shape[0]}); use "
-                "`osprey.decode.speculative_generate` per prompt."
-            )
-        generation_config = generation_config or self.generation_config
-        logits_processor = LogitsProcessorList(logits_processor or [])  # transformers passes a plain list
-        num_draft_tokens = max_new_tokens or generation_config.num_assistant_tokens
-        eos_token_ids = generation_config.eos_token_id
-        eos_token_ids = None if eos_token_ids is None else torch.tensor(eos_token_ids, device=input_ids.device).view(-1)
-        if self._draft_state is None or cache is not self._draft_state.cache:
-            # A new generation: forget the previous sequence and any target forward captured for it.
-            self._draft_state = DraftState()
-            self._target_capture.clear()
-            draft_ids, scores = draft_without_target_features(
-                self, input_ids, logits_processor, generation_config.do_sample
-            )
-        else:
-            draft_ids, scores = draft_chain(
-                self,
-                self._draft_state,
-                input_ids,
-                self._target_capture.features,
-                num_draft_tokens,
-                logits_processor,
-                generation_config.do_sample,
-                eos_token_ids,
-            )
-        self._target_capture.clear()
-        return GenerateDecoderOnlyOutput(
-            sequences=torch.cat([input_ids, draft_ids], dim=-1),
-            scores=tuple(scores.unbind(dim=1)),
-            cache=self._draft_state.cache,
         )
 
 
