@@ -281,3 +281,19 @@ def test_saved_drafter_drafts_five_tokens_by_default(tmp_path):
     reloaded = OspreyForDrafting.from_pretrained(tmp_path)
     assert reloaded.generation_config.num_assistant_tokens == 5
     assert reloaded.generation_config.num_assistant_tokens_schedule == "constant"
+
+
+def test_target_with_unrollbackable_state_is_refused():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    target = Qwen3NextForCausalLM(config).eval()  # linear-attention layers keep a recurrent state
+    drafter = random_drafter(target)
+    drafter.attach_target(target)
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        speculative_generate(target, drafter, prompt(5, 0), max_new_tokens=5)
+    with pytest.raises(ValueError, match="not supported with stateful models"):
+        assisted_greedy(target, drafter, prompt(5, 0), 5)
