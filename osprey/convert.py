@@ -1,0 +1,273 @@
+"""Stage 3: turn a pruned backbone into a function-preserving Osprey drafter for one target LLM.
+
+The drafter reads target token ids, so its embedding and LM head are re-indexed to the target vocabulary
+(`osprey.vocab_alignment`). Its fusion block reads `[hidden_norm(fc(target taps)) ; input_layernorm(tokens)]`: the
+q/k/v columns over the target features start at zero, so before any training the drafter computes exactly what the
+backbone computes, whatever the target's hidden states are. `fc` starts as the identity on the deepest tap, so the
+first gradient steps see meaningful target features instead of noise.
+
+Only the target's config and tokenizer are read, never its weights.
+"""
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+
+import torch
+from accelerate import init_empty_weights
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedTokenizerBase
+
+from modeling_osprey import OspreyConfig, OspreyForDrafting
+from modeling_osprey.target_features import default_target_layer_ids, validate_target_layer_ids
+
+from . import zoo
+from .prune import copy_notices, require_empty_output_dir
+from .vocab_alignment import align_vocabularies, select_draft_vocab
+
+
+SUPPORTED_BACKBONES = ("llama", "qwen2", "qwen3")
+# The Osprey paper drafts a chain of 5 tokens per verification step.
+NUM_ASSISTANT_TOKENS = 5
+
+
+def drafter_config(
+    backbone_config: PreTrainedConfig,
+    target_config: PreTrainedConfig,
+    target_layer_ids: Sequence[int] | None = None,
+    draft_vocab_size: int | None = None,
+) -> OspreyConfig:
+    """The drafter's config: block shapes from the backbone, vocabulary, tap layers and special ids from the target."""
+    _check_backbone(backbone_config)
+    target = target_config.get_text_config()
+    num_target_layers = target.num_hidden_layers
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(num_target_layers)
+    target_layer_ids = list(validate_target_layer_ids(list(target_layer_ids), num_target_layers))
+    return OspreyConfig(
+        vocab_size=target.vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        hidden_size=backbone_config.hidden_size,
+        intermediate_size=backbone_config.intermediate_size,
+        num_hidden_layers=backbone_config.num_hidden_layers,
+        num_attention_heads=backbone_config.num_attention_heads,
+        num_key_value_heads=backbone_config.num_key_value_heads,
+        head_dim=getattr(backbone_config, "head_dim", None),
+        hidden_act=backbone_config.hidden_act,
+        attention_bias=backbone_config.model_type == "qwen2",
+        use_qk_norm=backbone_config.model_type == "qwen3",
+        rms_norm_eps=backbone_config.rms_norm_eps,
+        rope_theta=backbone_config.rope_parameters["rope_theta"],
+        max_position_embeddings=backbone_config.max_position_embeddings,
+        tie_word_embeddings=False,
+        target_hidden_size=target.hidden_size,
+        target_layer_ids=target_layer_ids,
+        target_model_type=target_config.model_type,
+        backbone_model_type=backbone_config.model_type,
+        bos_token_id=target.bos_token_id,
+        eos_token_id=target.eos_token_id,
+        pad_token_id=target.pad_token_id,
+    )
+
+
+def _check_backbone(config: PreTrainedConfig) -> None:
+    """Refuses backbones whose blocks `OspreyForDrafting` cannot reproduce exactly (function preservation)."""
+    model_type = config.model_type
+    if model_type.startswith("gemma"):
+        raise ValueError(
+            f"A {model_type!r} backbone cannot be converted: Gemma blocks scale embeddings by sqrt(hidden_size), use "
+            "sandwich norms, (1 + w) RMSNorm and GeLU, while OspreyForDrafting implements Llama/Qwen-style blocks. "
+            f"Prune a {'/'.join(SUPPORTED_BACKBONES)} model as the backbone (e.g. smollm2-135m-instruct); Gemma3 "
+            "models are fine as targets."
+        )
+    if model_type not in SUPPORTED_BACKBONES:
+        raise ValueError(
+            f"Unsupported backbone architecture {model_type!r}: supported are {', '.join(SUPPORTED_BACKBONES)}. "
+            "Prune one of those with `osprey prune` and convert that."
+        )
+    unsupported = []
+    rope = config.rope_parameters or {}
+    if rope.get("rope_type", "default") != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
+        unsupported.append(f"RoPE {rope} (only unscaled, full-width default RoPE)")
+    if model_type != "qwen2" and getattr(config, "attention_bias", False):
+        unsupported.append("attention_bias=True (biases on o_proj)")
+    if getattr(config, "mlp_bias", False):
+        unsupported.append("mlp_bias=True")
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        unsupported.append("sliding-window attention layers")
+    if unsupported:
+        raise ValueError(
+            f"This {model_type} backbone uses {'; '.join(unsupported)}, which OspreyForDrafting does not implement, so "
+            "the converted drafter would not compute what the backbone does. Use a backbone without them."
+        )
+
+
+@torch.no_grad()
+def drafter_state_dict(backbone: PreTrainedModel, config: OspreyConfig, alignment, draft_to_target) -> dict:
+    """The drafter's tensors from the backbone's, re-indexed to the target vocabulary (see the module docstring)."""
+    source = dict(backbone.state_dict())
+    embeddings = source.pop("model.embed_tokens.weight")
+    lm_head = source.pop("lm_head.weight", embeddings)  # tied backbones share one matrix
+    hidden = config.hidden_size
+    fc = torch.zeros(hidden, config.fused_feature_size, dtype=embeddings.dtype)
+    width = min(hidden, config.target_hidden_size)
+    deepest = (len(config.target_layer_ids) - 1) * config.target_hidden_size
+    fc[:width, deepest : deepest + width] = torch.eye(width, dtype=fc.dtype)
+    state = {
+        "model.embed_tokens.weight": alignment.project(embeddings),
+        "lm_head.weight": alignment.project(lm_head, draft_to_target.tolist()),
+        "model.fc.weight": fc,
+        "model.layers.0.hidden_norm.weight": source["model.layers.0.input_layernorm.weight"].clone(),
+        "draft_to_target": draft_to_target,
+    }
+    fusion_qkv = tuple(f"model.layers.0.self_attn.{name}_proj.weight" for name in "qkv")
+    for name, tensor in source.items():
+        if name in fusion_qkv:
+            tensor = torch.cat([torch.zeros_like(tensor), tensor], dim=1)  # [0 | W]: target features start unread
+        state[name] = tensor.clone()
+    with init_empty_weights(include_buffers=False):
+        expected = OspreyForDrafting(config).state_dict().keys()
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise ValueError(
+            f"The backbone has tensors the drafter has no place for: {unexpected[:8]}. It is not a plain "
+            f"{config.backbone_model_type} checkpoint; convert an unmodified (only pruned) one."
+        )
+    return state
+
+
+def convert(
+    backbone: str | os.PathLike | PreTrainedModel,
+    target: str | os.PathLike | PreTrainedConfig,
+    target_layer_ids: Sequence[int] | None = None,
+    draft_vocab_size: int | None = None,
+    corpus: Sequence[str | os.PathLike] | None = None,
+    *,
+    backbone_tokenizer: PreTrainedTokenizerBase | None = None,
+    target_tokenizer: PreTrainedTokenizerBase | None = None,
+    output_dir: str | os.PathLike | None = None,
+) -> tuple[OspreyForDrafting, dict]:
+    """Converts a (pruned) backbone into a drafter for `target`; returns it with the conversion report.
+
+    `backbone` is a zoo name, checkpoint directory or Hub id, or a loaded model (then pass `backbone_tokenizer`);
+    `target` likewise, or a config (then pass `target_tokenizer`). With `draft_vocab_size`, the LM head predicts only
+    the most frequent target tokens of the `corpus` text files. With `output_dir` (new or empty), the drafter is saved
+    there with the target's tokenizer, `alignment_report.json` and a generation config drafting 5 tokens per step.
+    """
+    output_dir = None if output_dir is None else require_empty_output_dir(output_dir)
+    target_config, target_tokenizer, target_dir = _load_target(target, target_tokenizer)
+    if isinstance(backbone, PreTrainedModel):
+        if backbone_tokenizer is None:
+            raise ValueError("Pass `backbone_tokenizer` with a loaded backbone: the alignment needs its vocabulary.")
+        backbone_dir, backbone_config = None, backbone.config
+    else:
+        backbone_dir = zoo.resolve_model_path(backbone)
+        backbone_config = AutoConfig.from_pretrained(backbone_dir)
+    config = drafter_config(backbone_config, target_config, target_layer_ids, draft_vocab_size)  # checks, no weights
+    if backbone_dir is not None:
+        backbone_tokenizer = backbone_tokenizer or zoo.load_tokenizer(backbone_dir)
+        backbone = zoo.load_causal_lm(backbone_dir)
+    alignment = align_vocabularies(backbone_tokenizer, target_tokenizer, config.vocab_size)
+    draft_vocab = None
+    if config.draft_vocab_size == config.vocab_size:
+        draft_to_target = torch.arange(config.vocab_size)
+    else:
+        draft_to_target, draft_vocab = select_draft_vocab(
+            target_tokenizer, corpus or [], config.draft_vocab_size, config.vocab_size
+        )
+    with init_empty_weights(include_buffers=False):
+        drafter = OspreyForDrafting(config)
+    drafter.load_state_dict(drafter_state_dict(backbone, config, alignment, draft_to_target), strict=True, assign=True)
+    drafter.eval()
+    drafter.generation_config = GenerationConfig(
+        num_assistant_tokens=NUM_ASSISTANT_TOKENS,
+        num_assistant_tokens_schedule="constant",
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    report = {
+        "backbone": getattr(backbone.config, "name_or_path", None) or str(backbone_dir),
+        "target": target_config.name_or_path,
+        "backbone_model_type": config.backbone_model_type,
+        "target_model_type": config.target_model_type,
+        "num_hidden_layers": config.num_hidden_layers,
+        "pruning": getattr(backbone.config, "osprey_pruning", None),
+        "target_layer_ids": config.target_layer_ids,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "draft_vocab": draft_vocab,
+        "alignment": alignment.report(),
+    }
+    if output_dir is not None:
+        drafter.save_pretrained(output_dir)
+        target_tokenizer.save_pretrained(output_dir)
+        (output_dir / "alignment_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+        for directory in (backbone_dir, target_dir):
+            if directory is not None:
+                copy_notices(directory, output_dir)
+    return drafter, report
+
+
+def _load_target(target, tokenizer) -> tuple[PreTrainedConfig, PreTrainedTokenizerBase, str | None]:
+    """The target's config and tokenizer, without its weights (a zoo name is built once, like any zoo fetch)."""
+    if isinstance(target, PreTrainedConfig):
+        if tokenizer is None:
+            raise ValueError("Pass `target_tokenizer` with a target config: the drafter's vocabulary is the target's.")
+        return target, tokenizer, None
+    location = str(zoo.fetch(target)) if str(target) in zoo.ZOO else str(target)
+    config = AutoConfig.from_pretrained(location)
+    if tokenizer is None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(location)
+        except (OSError, ValueError) as error:
+            raise ValueError(
+                f"Could not load the tokenizer of target {location}: the drafter speaks the target's vocabulary, so "
+                "the target checkpoint must include its tokenizer files (tokenizer.json or tokenizer.model). Save "
+                f"them there with `tokenizer.save_pretrained`. ({type(error).__name__}: {error})"
+            ) from error
+    return config, tokenizer, location if os.path.isdir(location) else None
+
+
+def _layer_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated block indices such as 1,13,24, got {text!r}") from None
+
+
+def add_subcommand(subparsers) -> None:
+    """Adds `osprey convert` to the CLI (see `osprey.cli`)."""
+    parser = subparsers.add_parser(
+        "convert", help="turn a pruned backbone into a drafter for a target LLM (stage 3)", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--backbone", required=True, help="pruned backbone: zoo name, checkpoint directory or Hub id")
+    parser.add_argument("--target", required=True, help="target LLM (only its config and tokenizer are read)")
+    parser.add_argument("--output", required=True, help="new (or empty) directory for the drafter")
+    parser.add_argument(
+        "--target-layers", type=_layer_ids, help="target blocks to tap, e.g. 1,13,24 (default: [1, L//2-1, L-4])"
+    )
+    parser.add_argument("--draft-vocab-size", type=int, help="predict only the K most frequent target tokens")
+    parser.add_argument("--draft-vocab-corpus", nargs="+", metavar="FILE", help="text file(s) to count tokens on")
+    parser.set_defaults(run=_run_convert)
+
+
+def _run_convert(args) -> int:
+    _, report = convert(
+        args.backbone,
+        args.target,
+        target_layer_ids=args.target_layers,
+        draft_vocab_size=args.draft_vocab_size,
+        corpus=args.draft_vocab_corpus,
+        output_dir=args.output,
+    )
+    alignment = report["alignment"]
+    print(f"target rows: {alignment['target_rows']}; " + ", ".join(f"{k} {v}" for k, v in alignment["counts"].items()))
+    print("special tokens:", ", ".join(f"{t} -> {s}" for t, s in alignment["special_tokens"].items()))
+    if report["draft_vocab"]:
+        size, coverage = report["draft_vocab"]["size"], report["draft_vocab"]["corpus_coverage"]
+        print(f"draft vocabulary: {size} tokens cover {coverage:.2%} of the corpus")
+    print(f"saved the drafter to {args.output} (report: alignment_report.json)")
+    return 0
