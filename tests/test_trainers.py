@@ -1,0 +1,438 @@
+"""Stage-2 pretraining and stage-4 distillation trainers: losses, TTT exactness, feature cache, resume, CLI."""
+
+import argparse
+import json
+import math
+from itertools import pairwise
+
+import pytest
+import torch
+import yaml
+from conftest import make_tiny_target
+from datasets import Dataset
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+from transformers.cache_utils import DynamicCache
+
+from modeling_osprey.target_features import extract_target_features
+from osprey import OspreyConfig, OspreyForDrafting
+from trainers import (
+    DatasetArguments,
+    FeatureCacheDataset,
+    OspreyDistillConfig,
+    OspreyDistillTrainer,
+    OspreyPretrainConfig,
+    OspreyPretrainer,
+    build_feature_cache,
+    load_text_dataset,
+    tokenize_example,
+    ttt_attention_mask,
+    ttt_loss,
+)
+from trainers.cli import add_subcommand
+
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TAPS = [1, 3, 4]
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer (102 tokens) with a ChatML template, built offline."""
+    specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    vocab = {token: i for i, token in enumerate(specials + [chr(i) for i in range(32, 127)] + ["\n"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )  # fmt: skip
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def tiny_drafter(target, seed: int = 0, **overrides) -> OspreyForDrafting:
+    values = dict(
+        vocab_size=target.config.vocab_size, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, target_hidden_size=target.config.hidden_size, target_layer_ids=TAPS,
+    )  # fmt: skip
+    values.update(overrides)
+    torch.manual_seed(seed)
+    return OspreyForDrafting(OspreyConfig(**values))
+
+
+def token_dataset(num_sequences: int, length: int, seed: int = 0) -> Dataset:
+    """Random token sequences whose first 3 tokens are an untrained prompt."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, 256, (num_sequences, length), generator=generator).tolist()
+    return Dataset.from_dict({"input_ids": input_ids, "loss_mask": [[0] * 3 + [1] * (length - 3)] * num_sequences})
+
+
+def distill_config(tmp_path, **overrides) -> OspreyDistillConfig:
+    values = dict(
+        output_dir=str(tmp_path / "distill"), per_device_train_batch_size=4, learning_rate=3e-3, logging_steps=5,
+        save_strategy="no", report_to="none", disable_tqdm=True, seed=0, ttt_steps=3,
+    )  # fmt: skip
+    values.update(overrides)
+    return OspreyDistillConfig(**values)
+
+
+def pretrain_config(tmp_path, **overrides) -> OspreyPretrainConfig:
+    values = dict(
+        output_dir=str(tmp_path / "pretrain"), per_device_train_batch_size=4, max_length=64, learning_rate=3e-3,
+        logging_steps=5, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    values.update(overrides)
+    return OspreyPretrainConfig(**values)
+
+
+def text_dataset(num_documents: int = 64) -> Dataset:
+    words = ["cat", "dog", "bird", "fish"]
+    return Dataset.from_dict({"text": [f"the {words[i % 4]} sat on mat {i}. " * 3 for i in range(num_documents)]})
+
+
+def logged(trainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def test_config_defaults_are_cpu_safe(tmp_path):
+    for config in (OspreyDistillConfig(output_dir=str(tmp_path)), OspreyPretrainConfig(output_dir=str(tmp_path))):
+        assert config.bf16 is False and config.activation_checkpointing is False
+        assert config.dataloader_pin_memory is False
+    assert OspreyDistillConfig(output_dir=str(tmp_path)).ttt_steps == 5
+    with pytest.raises(ValueError, match="checkpointing"):
+        OspreyDistillConfig(output_dir=str(tmp_path), activation_checkpointing=True)
+
+
+def test_ttt_attention_mask_sees_prefix_then_own_chain():
+    mask = ttt_attention_mask(3, step=2)[0, 0].int()
+    expected = [[1, 0, 0, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1, 0, 0, 1]]
+    assert mask.tolist() == expected
+
+
+def target_signals(target, drafter, input_ids, attention_mask):
+    features, logits = extract_target_features(target, input_ids, TAPS, attention_mask)
+    return features, logits[..., drafter.draft_to_target], logits.argmax(dim=-1)
+
+
+def reference_ttt(drafter, input_ids, lengths, features, draft_logits, loss_mask, num_steps, decay):
+    """Decoding, position by position: prefill positions 0..t from real features with a cache, then chain steps
+    that feed back the pre-norm hidden state (reading the true next tokens). Returns the loss and per-step logits."""
+    sums, counts = torch.zeros(num_steps), torch.zeros(num_steps)
+    logits = {}
+    for row, length in enumerate(lengths):
+        ids = input_ids[row : row + 1]
+        for t in range(length - 1):
+            cache = DynamicCache()
+            features_t = features[row : row + 1, : t + 1]
+            outputs = drafter(ids[:, 1 : t + 2], target_hidden_states=features_t, cache=cache, use_cache=True)
+            for step in range(num_steps):
+                logits[row, t, step] = outputs.logits[0, -1]
+                label = t + 1 + step  # P[label] predicts token label + 1
+                if label + 1 <= length - 1 and loss_mask[row, label + 1]:
+                    target = draft_logits[row, label].softmax(-1)
+                    sums[step] += -(target * outputs.logits[0, -1].log_softmax(-1)).sum()
+                    counts[step] += 1
+                if label + 1 > length - 1:  # no next token to read
+                    break
+                hidden = outputs.prenorm_hidden_states[:, -1:]
+                outputs = drafter(
+                    ids[:, label + 1 : label + 2], draft_hidden_states=hidden, cache=cache, use_cache=True
+                )
+    step_losses = sums / counts.clamp(min=1)
+    return sum(decay**step * step_losses[step] for step in range(num_steps)), step_losses, logits
+
+
+@pytest.mark.parametrize("draft_vocab_size", [256, 200])
+def test_ttt_unroll_equals_step_by_step_decoding(draft_vocab_size):
+    target = make_tiny_target("llama")
+    drafter = tiny_drafter(target, draft_vocab_size=draft_vocab_size)
+    with torch.no_grad():
+        drafter.draft_to_target.copy_(
+            torch.randperm(256, generator=torch.Generator().manual_seed(0))[:draft_vocab_size]
+        )
+    lengths = [11, 7]
+    input_ids = torch.zeros(2, 11, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, length in enumerate(lengths):
+        input_ids[row, :length] = torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(row))
+        attention_mask[row, :length] = 1
+    loss_mask = attention_mask.clone()
+    loss_mask[:, :3] = 0
+    loss_mask[0, 6] = 0
+    features, draft_logits, argmax = target_signals(target, drafter, input_ids, attention_mask)
+    output = ttt_loss(
+        drafter, input_ids, features, draft_logits, argmax, loss_mask, drafter.draft_to_target, num_steps=4,
+        return_logits=True,
+    )  # fmt: skip
+    expected_loss, expected_steps, expected_logits = reference_ttt(
+        drafter, input_ids, lengths, features, draft_logits, loss_mask, num_steps=4, decay=0.8
+    )
+    torch.testing.assert_close(output.loss, expected_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(output.step_losses, expected_steps.detach(), rtol=1e-5, atol=1e-5)
+    for (row, t, step), logits in expected_logits.items():
+        torch.testing.assert_close(output.step_logits[step][row, t], logits, rtol=1e-5, atol=1e-5)
+    assert output.step_counts.tolist() == [11, 11, 9, 7]
+    output.loss.backward()  # gradients flow through every step, the cache and the fed-back hidden states
+    assert drafter.model.fc.weight.grad.abs().sum() > 0
+
+
+def predictable_target():
+    """A tiny target close to a sharp bigram model (its blocks barely move the residual stream), whose next-token
+    choices a tiny drafter can learn in a few dozen steps."""
+    target = make_tiny_target("llama")
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3)
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.003)
+            layer.mlp.down_proj.weight.mul_(0.003)
+    return target
+
+
+def test_distillation_loss_decreases_and_accuracy_rises(tmp_path):
+    target = predictable_target()
+    drafter = tiny_drafter(target)
+    config = distill_config(tmp_path, max_steps=40, learning_rate=1e-2, logging_steps=10)
+    trainer = OspreyDistillTrainer(drafter, config, train_dataset=token_dataset(64, 24), target_model=target)
+    trainer.train()
+    losses = logged(trainer, "loss")
+    for step in range(3):
+        accuracies = logged(trainer, f"ttt_acc_{step}")
+        step_losses = logged(trainer, f"ttt_loss_{step}")
+        assert accuracies[-1] > accuracies[0] + 0.3, (step, accuracies)
+        assert step_losses[-1] < step_losses[0], (step, step_losses)
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("arch, overrides", [("qwen2", {}), ("gemma3", {"final_logit_softcapping": 3.0})])
+def test_feature_cache_trains_exactly_like_the_live_target(tmp_path, arch, overrides):
+    target = make_tiny_target(arch, **overrides)
+    dataset = token_dataset(10, 16, seed=1)
+    cache_dir = build_feature_cache(
+        target, {"train": dataset}, tmp_path / "cache", TAPS, batch_size=4, dtype=torch.float32, shard_bytes=20_000
+    )
+    cache = FeatureCacheDataset(cache_dir, "train")
+    assert len(cache) == 10 and len(cache.shard_paths) > 1
+    assert cache[3]["input_ids"].tolist() == dataset[3]["input_ids"]
+    drafter = tiny_drafter(target, draft_vocab_size=100)
+    live = OspreyDistillTrainer(drafter, distill_config(tmp_path), train_dataset=dataset, target_model=target)
+    cached = OspreyDistillTrainer(drafter, distill_config(tmp_path, max_steps=2), train_dataset=cache)
+    live_batch = live._prepare_inputs(next(iter(live.get_eval_dataloader(dataset))))  # batches in dataset order
+    cached_batch = cached._prepare_inputs(next(iter(cached.get_eval_dataloader(cache))))
+    assert torch.equal(live_batch["input_ids"], cached_batch["input_ids"])
+    torch.testing.assert_close(live.compute_loss(drafter, live_batch), cached.compute_loss(drafter, cached_batch))
+    cached.train()
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        OspreyDistillTrainer(tiny_drafter(target, target_layer_ids=[0, 3, 4]), distill_config(tmp_path),
+                             train_dataset=cache)  # fmt: skip
+    with pytest.raises(ValueError, match="already exists"):
+        build_feature_cache(target, {"train": dataset}, cache_dir, TAPS)
+
+
+def test_feature_cache_refuses_a_target_whose_logits_are_not_its_head(tmp_path):
+    target = make_tiny_target("llama")
+    target.lm_head.register_forward_hook(lambda module, args, output: output * 2)  # an unrecorded logit scale
+    with pytest.raises(ValueError, match="logit scale"):
+        build_feature_cache(target, {"train": token_dataset(2, 8)}, tmp_path / "cache", TAPS)
+    assert list(tmp_path.iterdir()) == []  # nothing half-built is left behind
+
+
+def test_chat_examples_train_on_assistant_tokens_only():
+    tokenizer = char_tokenizer()
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo!"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    example = tokenize_example({"messages": messages}, tokenizer)
+    trained = [token for token, mask in zip(example["input_ids"], example["loss_mask"]) if mask]
+    assert tokenizer.decode(trained) == "yo!<|im_end|>\nok<|im_end|>\n"
+    assert tokenizer.decode(example["input_ids"]) == tokenizer.apply_chat_template(messages, tokenize=False)
+    everything = tokenize_example({"messages": messages}, tokenizer, assistant_only_loss=False)
+    assert everything == {"input_ids": example["input_ids"], "loss_mask": [1] * len(example["input_ids"])}
+    plain = tokenize_example({"text": "hello"}, tokenizer, max_length=3)
+    assert plain == {"input_ids": tokenizer("hel")["input_ids"], "loss_mask": [1, 1, 1]}
+
+
+def test_distillation_tokenizes_chats_with_the_target_tokenizer(tmp_path):
+    tokenizer = char_tokenizer()
+    target = make_tiny_target("llama", vocab_size=128)
+    chats = [
+        [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i} {i}!"}] for i in range(8)
+    ]
+    trainer = OspreyDistillTrainer(
+        tiny_drafter(target), distill_config(tmp_path, max_steps=2),
+        train_dataset=Dataset.from_dict({"messages": chats}), target_model=target, processing_class=tokenizer,
+    )  # fmt: skip
+    assert trainer.train_dataset.column_names == ["input_ids", "loss_mask"]
+    trainer.train()
+    assert math.isfinite(logged(trainer, "train_loss")[0])
+
+
+def test_pretraining_loss_decreases(tmp_path):
+    model = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2).train()
+    trainer = OspreyPretrainer(
+        model, pretrain_config(tmp_path, max_steps=30), train_dataset=text_dataset(), processing_class=char_tokenizer()
+    )
+    trainer.train()
+    losses = logged(trainer, "loss")
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_streamed_datasets_train(tmp_path):
+    text_dataset(16).to_json(tmp_path / "corpus.jsonl")
+    streamed = load_text_dataset(DatasetArguments(dataset_name=str(tmp_path / "corpus.jsonl"), dataset_streaming=True))
+    model = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2).train()
+    config = pretrain_config(tmp_path, max_steps=2)
+    OspreyPretrainer(model, config, train_dataset=streamed["train"], processing_class=char_tokenizer()).train()
+    target = make_tiny_target("llama", vocab_size=128)
+    trainer = OspreyDistillTrainer(
+        tiny_drafter(target), distill_config(tmp_path, max_steps=2, max_length=24), train_dataset=streamed["train"],
+        target_model=target, processing_class=char_tokenizer(),
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+def test_self_distillation_on_packed_batches(tmp_path):
+    tokenizer = char_tokenizer()
+    parent = make_tiny_target("llama", vocab_size=128, num_hidden_layers=4)
+    student = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2, seed=1).train()
+    config = pretrain_config(tmp_path, max_steps=20, distill_weight=0.5, temperature=2.0, packing_strategy="bfd_split")
+    trainer = OspreyPretrainer(student, config, train_dataset=text_dataset(), processing_class=tokenizer,
+                               parent_model=parent)  # fmt: skip
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    assert "position_ids" in batch and batch["input_ids"].shape[0] == 1  # padding-free packing
+    # Reference: every packed document on its own, CE + 0.5 * T^2 * KL averaged over all trained tokens.
+    starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
+    ce_sum = kl_sum = tokens = 0.0
+    for start, end in pairwise(starts):
+        ids, labels = batch["input_ids"][:, start:end], batch["labels"][0, start + 1 : end]
+        logits = student(input_ids=ids).logits[0, :-1][labels != -100]
+        parent_logits = parent(input_ids=ids).logits[0, :-1][labels != -100]
+        ce_sum += torch.nn.functional.cross_entropy(logits, labels[labels != -100], reduction="sum")
+        kl_sum += (
+            parent_logits.div(2).softmax(-1) * (parent_logits.div(2).log_softmax(-1) - logits.div(2).log_softmax(-1))
+        ).sum()
+        tokens += int((labels != -100).sum())
+    expected = (ce_sum + 0.5 * 4 * kl_sum) / tokens
+    torch.testing.assert_close(trainer.compute_loss(student, batch), expected, rtol=1e-4, atol=1e-4)
+    trainer.train()
+    assert logged(trainer, "distill_kl")[-1] < logged(trainer, "distill_kl")[0]
+
+
+def test_loss_is_the_models_own_and_an_identical_parent_adds_nothing(tmp_path):
+    model = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2)
+    parent = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2)
+    tokenizer = char_tokenizer()
+    plain = OspreyPretrainer(
+        model, pretrain_config(tmp_path), train_dataset=text_dataset(8), processing_class=tokenizer
+    )
+    distilling = OspreyPretrainer(
+        model,
+        pretrain_config(tmp_path),
+        train_dataset=text_dataset(8),
+        processing_class=tokenizer,
+        parent_model=parent,
+    )
+    batch = plain._prepare_inputs(next(iter(plain.get_train_dataloader())))
+    expected = model(**batch, use_cache=False).loss
+    torch.testing.assert_close(plain.compute_loss(model, dict(batch)), expected)
+    torch.testing.assert_close(distilling.compute_loss(model, dict(batch)), expected)
+
+
+def interrupted_and_resumed(tmp_path, make_trainer, total_steps: int, interrupt_at: int):
+    """Trains `total_steps` in one go, and in a run stopped after `interrupt_at` steps then resumed from its
+    checkpoint by a fresh trainer; returns both final state dicts."""
+    uninterrupted = make_trainer(tmp_path / "a", total_steps)
+    uninterrupted.train()
+
+    class Interrupt(__import__("transformers").TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= interrupt_at
+
+    interrupted = make_trainer(tmp_path / "b", total_steps, save_steps=interrupt_at)
+    interrupted.add_callback(Interrupt())
+    interrupted.train()
+    assert interrupted.state.global_step == interrupt_at
+    resumed = make_trainer(tmp_path / "b", total_steps)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / f"checkpoint-{interrupt_at}"))
+    assert resumed.state.global_step == uninterrupted.state.global_step == total_steps
+    assert not torch.equal(next(interrupted.model.parameters()), next(resumed.model.parameters()))
+    return uninterrupted.model.state_dict(), resumed.model.state_dict()
+
+
+def test_pretraining_resumes_exactly(tmp_path):
+    def make_trainer(output_dir, max_steps, save_steps=None):
+        model = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2).train()
+        config = pretrain_config(
+            tmp_path, output_dir=str(output_dir), max_steps=max_steps, lr_scheduler_type="cosine", warmup_steps=2,
+            save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        )  # fmt: skip
+        return OspreyPretrainer(model, config, train_dataset=text_dataset(), processing_class=char_tokenizer())
+
+    expected, resumed = interrupted_and_resumed(tmp_path, make_trainer, total_steps=8, interrupt_at=3)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_distillation_resumes_exactly(tmp_path):
+    target = make_tiny_target("llama")
+
+    def make_trainer(output_dir, max_steps, save_steps=None):
+        config = distill_config(
+            tmp_path, output_dir=str(output_dir), max_steps=max_steps, lr_scheduler_type="cosine",
+            save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        )  # fmt: skip
+        return OspreyDistillTrainer(
+            tiny_drafter(target), config, train_dataset=token_dataset(32, 12), target_model=target
+        )
+
+    expected, resumed = interrupted_and_resumed(tmp_path, make_trainer, total_steps=6, interrupt_at=2)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def osprey_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="osprey")
+    add_subcommand(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def test_cli_help_lists_the_trl_flags(capsys):
+    args = osprey_parser().parse_args(["pretrain", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        args.run(args)
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "osprey pretrain" in help_text and "--parent_model" in help_text and "--packing_strategy" in help_text
+
+
+def test_cli_pretrain_and_distill_from_yaml_with_overrides(tmp_path):
+    tokenizer = char_tokenizer()
+    backbone = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2)
+    backbone.save_pretrained(tmp_path / "backbone")
+    tokenizer.save_pretrained(tmp_path / "backbone")
+    text_dataset(16).to_json(tmp_path / "corpus.jsonl")
+    config = {"model_name_or_path": str(tmp_path / "backbone"), "dataset_name": str(tmp_path / "corpus.jsonl"),
+              "output_dir": str(tmp_path / "out"), "max_steps": 50, "max_length": 32, "report_to": "none"}  # fmt: skip
+    (tmp_path / "pretrain.yaml").write_text(yaml.safe_dump(config))
+    args = osprey_parser().parse_args(["pretrain", "--config", str(tmp_path / "pretrain.yaml"), "--max_steps", "2"])
+    assert args.run(args) == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "out" / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
+
+    target = make_tiny_target("llama", vocab_size=128)
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    tiny_drafter(target).save_pretrained(tmp_path / "drafter")
+    argv = ["distill", "--drafter", str(tmp_path / "drafter"), "--target_model", str(tmp_path / "target"),
+            "--dataset_name", str(tmp_path / "corpus.jsonl"), "--output_dir", str(tmp_path / "distilled"),
+            "--max_steps", "2", "--max_length", "24", "--report_to", "none"]  # fmt: skip
+    args = osprey_parser().parse_args(argv)
+    assert args.run(args) == 0
+    assert OspreyForDrafting.from_pretrained(tmp_path / "distilled").config.target_layer_ids == TAPS

@@ -1,0 +1,47 @@
+"""The training stages' `osprey` subcommands: `data`, `pretrain`, `features` and `distill`.
+
+Importing this module is cheap: each stage's module (and TRL, datasets) is imported only when its command runs.
+`pretrain`, `features` and `distill` are `trl.TrlParser` scripts, so everything after the command goes to TrlParser
+unchanged: `--config config.yaml` (YAML whose keys are the flags' names) and `--flag value` overrides, as in TRL.
+"""
+
+import argparse
+import importlib
+from pathlib import Path
+
+
+TRL_STAGES = {
+    "pretrain": ("trainers.pretrain", "train a pruned backbone on general text (stage 2)"),
+    "features": ("trainers.feature_cache", "precompute a target's features for distillation"),
+    "distill": ("trainers.distill", "distill a converted drafter against its target with TTT (stage 4)"),
+}
+
+
+def add_subcommand(subparsers) -> None:
+    """Adds `osprey data`, `osprey pretrain`, `osprey features` and `osprey distill` (see `osprey.cli`)."""
+    for name, (module, help_text) in TRL_STAGES.items():
+        # No option is parsed here (`prefix_chars` avoids "-"): TrlParser gets the arguments, `--help` included.
+        parser = subparsers.add_parser(name, help=help_text, add_help=False, prefix_chars="+")
+        parser.add_argument("argv", nargs=argparse.REMAINDER)
+        parser.set_defaults(run=lambda args, module=module: importlib.import_module(module).main(args.argv))
+
+    parser = subparsers.add_parser("data", help="build the offline training corpora (general, sharegpt)")
+    parser.add_argument("corpus", choices=("general", "sharegpt"), help="which corpus to build")
+    parser.add_argument("--cache-dir", help="cache root (default: $OSPREY_HOME or ~/.cache/osprey)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the corpus is already built")
+    parser.add_argument(
+        "--exclude-prompts", nargs="+", type=Path, metavar="FILE",
+        help="sharegpt: JSONL files of evaluation prompts (a `turns` list per line) whose conversations are dropped "
+        "(default: Spec-Bench and MT-Bench from the shared data folder)",
+    )  # fmt: skip
+    parser.set_defaults(run=_run_data)
+
+
+def _run_data(args) -> int:
+    from .data import prepare_general, prepare_sharegpt
+
+    if args.corpus == "general":
+        print(prepare_general(args.cache_dir, force=args.force))
+    else:
+        print(prepare_sharegpt(args.cache_dir, force=args.force, exclude_prompt_files=args.exclude_prompts))
+    return 0

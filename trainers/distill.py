@@ -1,0 +1,391 @@
+"""Stage 4: distill a converted drafter against its frozen target, with training-time test (TTT).
+
+The loss is EAGLE-3's: the drafter is unrolled for `ttt_steps` chain steps exactly as it drafts (step 0 reads the
+target's features, every later step its own previous pre-norm hidden state), and each step is trained on the target's
+next-token distribution by soft cross-entropy. Positions, tokens and attention match
+`modeling_osprey.generation_osprey` one to one, so what is trained is what decoding runs (see `ttt_loss`).
+"""
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers.cache_utils import DynamicCache
+from trl import TrlParser
+
+from modeling_osprey.target_features import extract_target_features
+
+from .data import DatasetArguments, load_text_dataset
+from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset
+from .pretrain import cuda_bf16_available, resume_argument
+from .tokenization import tokenize_dataset
+
+
+@dataclass
+class OspreyDistillConfig(TrainingArguments):
+    r"""
+    Configuration of [`OspreyDistillTrainer`]: [`~transformers.TrainingArguments`] plus the distillation settings.
+
+    Defaults that differ from `TrainingArguments`: `bf16` is on only where CUDA supports it (CPU runs in float32),
+    `learning_rate` is 1e-4, `logging_steps` 10 and `ddp_find_unused_parameters` False.
+
+    Parameters:
+        target_model (`str`, *optional*):
+            Zoo name, local directory or Hub id of the frozen target, run live on every batch. Not needed with
+            `feature_cache`.
+        target_dtype (`str`, *optional*, defaults to `"auto"`):
+            Dtype the live target is loaded in: `"auto"` is bfloat16 where CUDA supports it, else float32.
+        feature_cache (`str`, *optional*):
+            Directory written by `osprey features`: `osprey distill` trains on its precomputed target features instead
+            of a live target (in Python, pass `FeatureCacheDataset(directory)` as the trainer's `train_dataset`).
+        ttt_steps (`int`, *optional*, defaults to 5):
+            Chain steps unrolled per position (training-time test); 1 trains step 0 only.
+        ttt_decay (`float`, *optional*, defaults to 0.8):
+            Step `k`'s loss is weighted by `ttt_decay ** k`.
+        max_length (`int`, *optional*, defaults to 2048):
+            Sequences are truncated to this many tokens when tokenized.
+        dataset_text_field (`str`, *optional*, defaults to `"text"`):
+            Column holding plain text; examples with a `messages` column are rendered with the chat template instead.
+        assistant_only_loss (`bool`, *optional*, defaults to `True`):
+            Train on assistant tokens only when examples are conversations.
+    """
+
+    target_model: str | None = field(default=None, metadata={"help": "Zoo name, directory or Hub id of the target."})
+    target_dtype: str = field(default="auto", metadata={"help": "Live target dtype: auto, bfloat16 or float32."})
+    feature_cache: str | None = field(default=None, metadata={"help": "Directory written by `osprey features`."})
+    ttt_steps: int = field(default=5, metadata={"help": "Chain steps unrolled per position (training-time test)."})
+    ttt_decay: float = field(default=0.8, metadata={"help": "Weight of step k's loss is ttt_decay ** k."})
+    max_length: int | None = field(default=2048, metadata={"help": "Truncate sequences to this many tokens."})
+    dataset_text_field: str = field(default="text", metadata={"help": "Column holding plain text."})
+    assistant_only_loss: bool = field(default=True, metadata={"help": "Train on assistant tokens only (chats)."})
+    learning_rate: float = field(default=1e-4, metadata={"help": "The initial learning rate for AdamW."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every X update steps."})
+    bf16: bool | None = field(default=None, metadata={"help": "bf16 mixed precision; default: on iff CUDA has bf16."})
+    ddp_find_unused_parameters: bool | None = field(
+        default=False, metadata={"help": "Every drafter parameter takes part in every step: DDP need not search."}
+    )
+
+    def __post_init__(self):
+        if self.bf16 is None:
+            self.bf16 = cuda_bf16_available() and not self.fp16 and not self.use_cpu
+        if not torch.accelerator.is_available():  # pinning host memory only helps copies to a device
+            self.dataloader_pin_memory = False
+        super().__post_init__()
+        if self.activation_checkpointing:
+            raise ValueError(
+                "Activation (gradient) checkpointing is not supported by the TTT unroll: later steps read earlier "
+                "steps' keys from the drafter's KV cache, which a checkpointed layer would append to again when "
+                "replayed. Drafters are shallow; lower per_device_train_batch_size or max_length instead."
+            )
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be at least 1, got {self.ttt_steps}.")
+
+
+def ttt_attention_mask(num_positions: int, step: int, device=None) -> torch.Tensor:
+    """Boolean `(1, 1, n, n * (step + 1))` mask of TTT step `step` over the keys of steps `0..step`, True = attend.
+
+    A step-`k` query at position `t` sees the step-0 keys at positions `<= t` (the prefill over real features) and the
+    key of every later step at the same position `t`: exactly the cache a chain drafted after verified position `t`
+    has when it takes its `k`-th step.
+    """
+    causal = torch.ones(num_positions, num_positions, dtype=torch.bool, device=device).tril()
+    diagonal = torch.eye(num_positions, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diagonal] * step, dim=1)[None, None]
+
+
+@dataclass
+class TTTOutput:
+    """Result of [`ttt_loss`]; per-step tensors have one entry per step."""
+
+    loss: torch.Tensor
+    step_losses: torch.Tensor
+    step_correct: torch.Tensor
+    step_counts: torch.Tensor
+    step_logits: list[torch.Tensor] | None = None
+
+
+def ttt_loss(
+    drafter,
+    input_ids: torch.LongTensor,
+    target_hidden_states: torch.Tensor,
+    target_logits: torch.Tensor,
+    target_argmax: torch.LongTensor,
+    loss_mask: torch.Tensor,
+    draft_to_target: torch.LongTensor,
+    num_steps: int = 5,
+    decay: float = 0.8,
+    return_logits: bool = False,
+) -> TTTOutput:
+    r"""The training-time-test loss of a drafter on a right-padded batch of sequences `x_0 .. x_{T-1}`.
+
+    Args:
+        target_hidden_states: the target's tap features `F`, `(batch, T, fused_feature_size)`.
+        target_logits: the target's logits restricted to the draft vocabulary (columns `draft_to_target`),
+            `(batch, T, draft_vocab_size)`; their softmax is the target distribution renormalised over the draft
+            vocabulary, the only part a drafter can put probability on.
+        target_argmax: the target's greedy next token over its whole vocabulary, `(batch, T)`, for the accuracy.
+        loss_mask: `(batch, T)`, 1 on tokens to train on predicting, 0 on prompt tokens and padding.
+
+    Step `k` (0-based) runs drafter position `t` on token `x_{t+1+k}` at RoPE position `t + k`, reading
+    `target_hidden_states=F[t]` at step 0 and, after, `draft_hidden_states` = its own step-`k-1` pre-norm state at `t`.
+    Its label is the target distribution `P[t+1+k]`, which predicts `x_{t+2+k}`: it counts where that token exists and
+    has `loss_mask` 1. Each step is one forward over all positions that appends its keys to a shared `DynamicCache`,
+    under `ttt_attention_mask`. The loss is `sum_k decay**k * CE_k`, `CE_k` the soft cross-entropy
+    `-sum_v P log q` averaged over step `k`'s counted positions of the batch.
+    """
+    num_positions = input_ids.shape[1] - 1
+    device = input_ids.device
+    target_probs = target_logits.float().softmax(dim=-1)
+    # label_mask[:, j]: P[j] is a label, i.e. the token x_{j+1} it predicts is one to train on.
+    label_mask = loss_mask[:, 1:].bool()
+    position_ids = torch.arange(num_positions, device=device)[None]
+    cache = DynamicCache()
+    loss = torch.zeros((), device=device)
+    step_losses, step_correct, step_counts, step_logits = [], [], [], []
+    hidden_states = None
+    for step in range(num_steps):
+        # Positions t < num_labelled have a label P[t+1+step] whose predicted token x_{t+2+step} exists.
+        num_labelled = num_positions - 1 - step
+        if num_labelled <= 0:  # the sequence is too short for this step (and every later one)
+            step_losses.append(loss.new_zeros(()))
+            step_correct.append(torch.zeros((), dtype=torch.long, device=device))
+            step_counts.append(torch.zeros((), dtype=torch.long, device=device))
+            continue
+        # Token x_{t+1+step}; positions past the sequence read padding and are never labels.
+        tokens = F.pad(input_ids[:, 1 + step :], (0, step))
+        features = {"target_hidden_states": target_hidden_states[:, :num_positions]} if step == 0 else {}
+        outputs = drafter(
+            tokens,
+            draft_hidden_states=hidden_states,
+            attention_mask=ttt_attention_mask(num_positions, step, device),
+            position_ids=position_ids + step,
+            cache=cache,
+            use_cache=True,
+            **features,
+        )
+        hidden_states = outputs.prenorm_hidden_states
+        logits = outputs.logits[:, :num_labelled]
+        labels = slice(1 + step, 1 + step + num_labelled)
+        mask = label_mask[:, labels]
+        cross_entropy = F.cross_entropy(
+            logits.float().flatten(0, 1), target_probs[:, labels].flatten(0, 1), reduction="none"
+        ).view(mask.shape)
+        count = mask.sum()
+        step_loss = (cross_entropy * mask).sum() / count.clamp(min=1)
+        loss = loss + decay**step * step_loss
+        correct = (draft_to_target[logits.argmax(dim=-1)] == target_argmax[:, labels]) & mask
+        step_losses.append(step_loss.detach())
+        step_correct.append(correct.sum())
+        step_counts.append(count)
+        if return_logits:
+            step_logits.append(outputs.logits)
+    return TTTOutput(
+        loss=loss,
+        step_losses=torch.stack(step_losses),
+        step_correct=torch.stack(step_correct),
+        step_counts=torch.stack(step_counts),
+        step_logits=step_logits if return_logits else None,
+    )
+
+
+class DistillDataCollator:
+    """Right-pads every sequence field of the examples to the longest one (`input_ids` with `pad_token_id`, the
+    others with 0) and adds the `attention_mask`."""
+
+    def __init__(self, pad_token_id: int = 0):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        batch = {}
+        for key in examples[0]:
+            values = [torch.as_tensor(example[key]) for example in examples]
+            if key in ("input_ids", "target_argmax"):  # stored as int32 in a feature cache
+                values = [value.long() for value in values]
+            padding_value = self.pad_token_id if key == "input_ids" else 0
+            batch[key] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=padding_value)
+        lengths = torch.tensor([len(example["input_ids"]) for example in examples])
+        batch["attention_mask"] = (torch.arange(batch["input_ids"].shape[1])[None] < lengths[:, None]).long()
+        return batch
+
+
+class OspreyDistillTrainer(Trainer):
+    """A [`~transformers.Trainer`] distilling an [`OspreyForDrafting`] drafter against a frozen target by TTT.
+
+    The target's features and distribution come from `target_model` run live on each batch, or from a feature cache:
+    pass a [`FeatureCacheDataset`] as `train_dataset` (and `eval_dataset`), then no target is needed. Datasets of text
+    or chats are tokenized here (see `trainers.tokenization`); per-step losses and top-1 accuracies are logged as
+    `ttt_loss_k` / `ttt_acc_k`.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        args: OspreyDistillConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        target_model: PreTrainedModel | str | None = None,
+        processing_class=None,
+        data_collator=None,
+        callbacks=None,
+        optimizers=(None, None),
+    ):
+        args = args if args is not None else OspreyDistillConfig(output_dir="osprey-distill")
+        self.feature_cache = train_dataset if isinstance(train_dataset, FeatureCacheDataset) else None
+        target_model = target_model if target_model is not None else args.target_model
+        if self.feature_cache is None:
+            if target_model is None:
+                raise ValueError("Pass a `target_model` (`--target_model`), or train from a feature cache.")
+            if isinstance(target_model, str):
+                target_model = load_target(target_model, args.target_dtype)
+            tokenize = {
+                "tokenizer": processing_class,
+                "max_length": args.max_length,
+                "text_field": args.dataset_text_field,
+                "assistant_only_loss": args.assistant_only_loss,
+            }
+            train_dataset = tokenize_dataset(train_dataset, **tokenize)
+            eval_dataset = None if eval_dataset is None else tokenize_dataset(eval_dataset, **tokenize)
+        elif target_model is not None:
+            raise ValueError("Pass either a `target_model` or a feature cache dataset, not both.")
+        else:
+            self.feature_cache.check_drafter(model.config)
+        pad_token_id = getattr(processing_class, "pad_token_id", None) or 0
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator or DistillDataCollator(pad_token_id),
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        self.target_model = None
+        if target_model is not None:
+            check_target_fits(model.config, target_model.config.get_text_config(decoder=True))
+            self.target_model = target_model.to(self.args.device).eval().requires_grad_(False)
+        self.target_head = (
+            None if self.feature_cache is None else self.feature_cache.target_head().to(self.args.device)
+        )
+        self._metrics = {mode: {"sums": torch.zeros(3, args.ttt_steps), "batches": 0} for mode in ("train", "eval")}
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = list(SEQUENCE_FIELDS)  # a feature cache's; text datasets have the first two
+
+    @torch.no_grad()
+    def _target_signals(self, inputs: dict, drafter) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tap features, logits over the draft vocabulary and full-vocabulary greedy tokens of the target."""
+        draft_to_target = drafter.draft_to_target
+        if self.target_head is not None:
+            logits = self.target_head(inputs["target_last_hidden_state"], rows=draft_to_target)
+            return inputs["target_hidden_states"], logits, inputs["target_argmax"]
+        features, logits = extract_target_features(
+            self.target_model, inputs["input_ids"], drafter.config.target_layer_ids, inputs["attention_mask"]
+        )
+        return features, logits[..., draft_to_target], logits.argmax(dim=-1)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        drafter = self.accelerator.unwrap_model(model)
+        features, target_logits, target_argmax = self._target_signals(inputs, drafter)
+        output = ttt_loss(
+            model,
+            inputs["input_ids"],
+            features.to(drafter.dtype),
+            target_logits,
+            target_argmax,
+            inputs["loss_mask"],
+            drafter.draft_to_target,
+            num_steps=self.args.ttt_steps,
+            decay=self.args.ttt_decay,
+        )
+        stats = torch.stack([output.step_losses, output.step_correct.float(), output.step_counts.float()])
+        metrics = self._metrics["train" if model.training else "eval"]
+        metrics["sums"] += self.accelerator.reduce(stats, reduction="sum").cpu()
+        metrics["batches"] += self.accelerator.num_processes
+        return (output.loss, output) if return_outputs else output.loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        metrics = self._metrics[mode]
+        if metrics["batches"]:
+            losses, correct, counts = metrics["sums"]
+            prefix = "eval_" if mode == "eval" else ""
+            for step in range(len(losses)):
+                logs[f"{prefix}ttt_loss_{step}"] = round(losses[step].item() / metrics["batches"], 4)
+                logs[f"{prefix}ttt_acc_{step}"] = round(correct[step].item() / max(counts[step].item(), 1), 4)
+            metrics["sums"].zero_()
+            metrics["batches"] = 0
+        super().log(logs, start_time)
+
+
+def check_target_fits(drafter_config, target_config) -> None:
+    """Raises unless the drafter reads this target's token ids and hidden states."""
+    expected = {"vocab_size": drafter_config.vocab_size, "hidden_size": drafter_config.target_hidden_size}
+    for name, drafter_value in expected.items():
+        if getattr(target_config, name) != drafter_value:
+            raise ValueError(
+                f"The drafter was converted for a target with {name}={drafter_value}, but this target has "
+                f"{getattr(target_config, name)}: convert the backbone for this target with `osprey convert` first."
+            )
+
+
+def load_target(name_or_path: str, dtype: str) -> PreTrainedModel:
+    from osprey.zoo import load_causal_lm
+
+    if dtype == "auto":
+        dtype = "bfloat16" if cuda_bf16_available() else "float32"
+    return load_causal_lm(name_or_path, dtype=getattr(torch, dtype))
+
+
+@dataclass
+class DistillScriptArguments(DatasetArguments):
+    """What to distill on what; the training itself is configured by [`OspreyDistillConfig`]."""
+
+    drafter: str | None = field(default=None, metadata={"help": "Drafter directory written by `osprey convert`."})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`osprey distill`: `--config config.yaml` and/or flags, see `osprey distill --help`."""
+    from transformers import AutoTokenizer
+
+    from modeling_osprey import OspreyForDrafting
+    from osprey.zoo import load_tokenizer
+
+    parser = TrlParser((DistillScriptArguments, OspreyDistillConfig), prog="osprey distill", description=__doc__)
+    script_args, config = parser.parse_args_and_config(argv)
+    if script_args.drafter is None:
+        raise ValueError("Pass --drafter, the drafter directory written by `osprey convert`.")
+    drafter = OspreyForDrafting.from_pretrained(script_args.drafter)
+    train_split, test_split = script_args.dataset_train_split, script_args.dataset_test_split
+    evaluate = config.eval_strategy != "no"
+    if config.feature_cache is not None:
+        tokenizer = AutoTokenizer.from_pretrained(script_args.drafter)
+        train_dataset = FeatureCacheDataset(config.feature_cache, train_split)
+        has_test = test_split in train_dataset.index["splits"]
+        eval_dataset = FeatureCacheDataset(config.feature_cache, test_split) if evaluate and has_test else None
+    else:
+        if config.target_model is None or script_args.dataset_name is None:
+            raise ValueError("Pass --target_model and --dataset_name, or --feature_cache (see `osprey features`).")
+        tokenizer = load_tokenizer(config.target_model)
+        dataset = load_text_dataset(script_args)
+        train_dataset = dataset[train_split]
+        eval_dataset = dataset[test_split] if evaluate and test_split in dataset else None
+    trainer = OspreyDistillTrainer(
+        drafter, config, train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=tokenizer
+    )
+    trainer.train(resume_from_checkpoint=resume_argument(config.resume_from_checkpoint))
+    trainer.save_model(config.output_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,344 @@
+"""Precomputed target features: one pass of the frozen target over a dataset, read by any number of drafters.
+
+Per token the cache stores the target's tap features (what the drafter reads), its *final hidden state* (the LM head's
+input, post final norm) and its greedy next token, in bfloat16 / int32, plus the target's LM head once. At train
+time the logits over the draft vocabulary are recomputed from the final hidden state with that head: the exact
+distribution (up to the storage rounding of one vector), for any draft vocabulary, at a storage cost of one extra
+hidden-size vector next to the `len(taps)` the cache holds anyway. No full-vocabulary logits are ever stored or held
+beyond one batch. That the head reproduces the target's logits is checked on the first batch when the cache is built
+(a model that scales its logits other than by `final_logit_softcapping` is refused).
+
+Layout of a cache directory:
+
+    feature_cache.json            format, target description, taps, per-split shard list
+    target_head.safetensors       `weight` (and `bias`) of the target's LM head
+    <split>/shard-00000.safetensors
+        input_ids (N,) int32, loss_mask (N,) uint8, target_hidden_states (N, taps * H), target_last_hidden_state
+        (N, H), target_argmax (N,) int32: the split's sequences concatenated; `offsets` (S + 1,) int64 delimits them.
+
+Shards are memory-mapped and read one sequence at a time, so datasets far larger than RAM train fine.
+"""
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from modeling_osprey.target_features import TargetFeatureCapture
+
+from .data import DatasetArguments, load_text_dataset
+
+
+CACHE_FORMAT = 1
+INDEX_NAME = "feature_cache.json"
+HEAD_NAME = "target_head.safetensors"
+SEQUENCE_FIELDS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_state", "target_argmax")
+
+
+class TargetHead(nn.Module):
+    """A target's LM head (and final logit soft-capping), recomputing its logits from its final hidden states."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, final_logit_softcapping=None):
+        super().__init__()
+        self.weight = nn.Buffer(weight)
+        self.bias = nn.Buffer(bias) if bias is not None else None
+        self.final_logit_softcapping = final_logit_softcapping
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> "TargetHead":
+        head = model.get_output_embeddings()
+        softcapping = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+        bias = getattr(head, "bias", None)
+        return cls(head.weight.detach(), None if bias is None else bias.detach(), softcapping)
+
+    def forward(self, hidden_states: torch.Tensor, rows: torch.LongTensor | None = None) -> torch.Tensor:
+        """Float32 logits, over vocabulary `rows` only when given (the draft vocabulary: a fraction of the work)."""
+        weight = self.weight if rows is None else self.weight[rows]
+        bias = self.bias if self.bias is None or rows is None else self.bias[rows]
+        logits = F.linear(hidden_states.to(weight.dtype), weight, bias).float()
+        if self.final_logit_softcapping:
+            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        return logits
+
+
+class _ShardWriter:
+    """Buffers sequences and writes them out as safetensors shards of about `shard_bytes` each."""
+
+    def __init__(self, directory: Path, shard_bytes: int):
+        self.directory = directory
+        self.shard_bytes = shard_bytes
+        self.shards: list[dict] = []
+        self._buffer: list[dict[str, torch.Tensor]] = []
+        self._buffered_bytes = 0
+        directory.mkdir(parents=True)
+
+    def add(self, sequence: dict[str, torch.Tensor]) -> None:
+        self._buffer.append(sequence)
+        self._buffered_bytes += sum(tensor.nbytes for tensor in sequence.values())
+        if self._buffered_bytes >= self.shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._buffer:
+            return
+        lengths = torch.tensor([0] + [len(sequence["input_ids"]) for sequence in self._buffer])
+        tensors = {name: torch.cat([sequence[name] for sequence in self._buffer]) for name in SEQUENCE_FIELDS}
+        tensors["offsets"] = lengths.cumsum(0)
+        name = f"shard-{len(self.shards):05d}.safetensors"
+        save_file(tensors, self.directory / name)
+        self.shards.append({"file": name, "num_sequences": len(self._buffer), "num_tokens": int(lengths.sum())})
+        self._buffer, self._buffered_bytes = [], 0
+
+
+def _check_head(head: TargetHead, hidden_states: torch.Tensor, logits: torch.Tensor) -> None:
+    recomputed = head(hidden_states)
+    error = (recomputed - logits.float()).abs().max().item()
+    scale = logits.float().abs().max().item()
+    if error > 2e-2 * scale + 1e-3:
+        raise ValueError(
+            f"The target's logits are not its LM head applied to its final hidden state (max error {error:.3g} for "
+            f"logits up to {scale:.3g}): it transforms them in a way the feature cache does not record (a logit "
+            "scale?). Distill this target live (`--target_model`) instead of from a feature cache."
+        )
+
+
+def _batches(dataset: Iterable[dict], batch_size: int) -> Iterable[list[dict]]:
+    batch = []
+    for example in dataset:
+        batch.append(example)
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def build_feature_cache(
+    target: nn.Module,
+    splits: dict[str, Iterable[dict]],
+    output_dir: str | os.PathLike,
+    layer_ids: Sequence[int],
+    batch_size: int = 8,
+    dtype: torch.dtype = torch.bfloat16,
+    shard_bytes: int = 1 << 30,
+    target_name: str | None = None,
+) -> Path:
+    """Runs `target` once over every split of tokenized examples (`input_ids`, `loss_mask`) and writes a feature cache.
+
+    The cache is built in a staging directory and moved to `output_dir` when complete, so a failed or killed build
+    never leaves a directory that looks usable.
+    """
+    output_dir = Path(output_dir)
+    if output_dir.exists():
+        raise ValueError(f"{output_dir} already exists: choose a new directory, or delete it to rebuild the cache.")
+    staging = output_dir.with_name(f".{output_dir.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)  # left by a killed build
+    staging.mkdir(parents=True)
+    try:
+        index = _write_cache(target, splits, staging, layer_ids, batch_size, dtype, shard_bytes)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    index["target"]["name_or_path"] = target_name or getattr(target.config, "_name_or_path", None)
+    (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    os.replace(staging, output_dir)
+    return output_dir
+
+
+@torch.no_grad()
+def _write_cache(target, splits, directory: Path, layer_ids, batch_size, dtype, shard_bytes) -> dict:
+    """Writes the head and every split's shards to `directory`; returns the cache index."""
+    head = TargetHead.from_model(target)
+    save_file({name: tensor.contiguous() for name, tensor in head.state_dict().items()}, directory / HEAD_NAME)
+    config = target.config.get_text_config(decoder=True)
+    index = {
+        "format": CACHE_FORMAT,
+        "target": {
+            "model_type": config.model_type,
+            "hidden_size": config.hidden_size,
+            "vocab_size": config.vocab_size,
+            "num_hidden_layers": config.num_hidden_layers,
+        },
+        "target_layer_ids": list(layer_ids),
+        "dtype": str(dtype).removeprefix("torch."),
+        "final_logit_softcapping": head.final_logit_softcapping,
+        "splits": {},
+    }
+    device = next(target.parameters()).device
+    final_hidden: list[torch.Tensor] = []  # the LM head's input: the final hidden state
+    checked = False
+    hook = target.get_output_embeddings().register_forward_pre_hook(lambda module, args: final_hidden.append(args[0]))
+    try:
+        with TargetFeatureCapture(target, layer_ids) as capture:
+            for split, examples in splits.items():
+                writer = _ShardWriter(directory / split, shard_bytes)
+                for batch in tqdm(_batches(examples, batch_size), desc=f"Target features ({split})", unit="batch"):
+                    input_ids, attention_mask = _right_padded([example["input_ids"] for example in batch])
+                    final_hidden.clear()
+                    logits = target(
+                        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
+                    ).logits
+                    if not checked:
+                        _check_head(head, final_hidden[-1], logits)
+                        checked = True
+                    features, hidden, argmax = capture.features, final_hidden[-1], logits.argmax(dim=-1)
+                    for row, example in enumerate(batch):
+                        length = len(example["input_ids"])
+                        writer.add({
+                            "input_ids": input_ids[row, :length].int(),
+                            "loss_mask": torch.as_tensor(example["loss_mask"], dtype=torch.uint8),
+                            "target_hidden_states": features[row, :length].to("cpu", dtype),
+                            "target_last_hidden_state": hidden[row, :length].to("cpu", dtype),
+                            "target_argmax": argmax[row, :length].to("cpu", torch.int32),
+                        })  # fmt: skip
+                writer.flush()
+                index["splits"][split] = {
+                    "num_sequences": sum(shard["num_sequences"] for shard in writer.shards),
+                    "num_tokens": sum(shard["num_tokens"] for shard in writer.shards),
+                    "shards": writer.shards,
+                }
+    finally:
+        hook.remove()
+    return index
+
+
+def _right_padded(sequences: list) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([len(sequence) for sequence in sequences])
+    input_ids = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        input_ids[row, : lengths[row]] = torch.as_tensor(sequence)
+    return input_ids, (torch.arange(input_ids.shape[1])[None] < lengths[:, None]).long()
+
+
+class FeatureCacheDataset(torch.utils.data.Dataset):
+    """One split of a feature cache, as a map-style dataset of per-sequence tensors (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike, split: str = "train"):
+        self.path = Path(path)
+        index_path = self.path / INDEX_NAME
+        if not index_path.is_file():
+            raise ValueError(
+                f"{self.path} is not a feature cache (no {INDEX_NAME}): build one with `osprey features`."
+            )
+        self.index = json.loads(index_path.read_text())
+        if self.index.get("format") != CACHE_FORMAT:
+            raise ValueError(f"{self.path} has cache format {self.index.get('format')}, expected {CACHE_FORMAT}.")
+        if split not in self.index["splits"]:
+            raise ValueError(
+                f"Feature cache {self.path} has no split {split!r}; it has {sorted(self.index['splits'])}."
+            )
+        self.split = split
+        self.shard_paths = [self.path / split / shard["file"] for shard in self.index["splits"][split]["shards"]]
+        self._locations: list[tuple[int, int, int]] = []
+        for shard_id, shard_path in enumerate(self.shard_paths):
+            with safe_open(shard_path, framework="pt") as shard:
+                offsets = shard.get_tensor("offsets").tolist()
+            self._locations += [(shard_id, start, end) for start, end in pairwise(offsets)]
+        self._handles: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return len(self._locations)
+
+    def __getitem__(self, item: int) -> dict[str, torch.Tensor]:
+        shard_id, start, end = self._locations[item]
+        if shard_id not in self._handles:
+            self._handles[shard_id] = safe_open(self.shard_paths[shard_id], framework="pt")
+        shard = self._handles[shard_id]
+        return {name: shard.get_slice(name)[start:end] for name in SEQUENCE_FIELDS}
+
+    def __getstate__(self):  # open shard handles cannot be pickled into dataloader workers; they reopen lazily
+        return {**self.__dict__, "_handles": {}}
+
+    def target_head(self) -> TargetHead:
+        with safe_open(self.path / HEAD_NAME, framework="pt") as tensors:
+            state = {name: tensors.get_tensor(name) for name in tensors.keys()}  # noqa: SIM118 (safe_open is no dict)
+        return TargetHead(state["weight"], state.get("bias"), self.index["final_logit_softcapping"])
+
+    def check_drafter(self, drafter_config) -> None:
+        """Raises unless a drafter with `drafter_config` reads exactly the features this cache holds."""
+        target = self.index["target"]
+        expected = {
+            "target_layer_ids": self.index["target_layer_ids"],
+            "target_hidden_size": target["hidden_size"],
+            "vocab_size": target["vocab_size"],
+        }
+        mismatched = {name: value for name, value in expected.items() if _config_value(drafter_config, name) != value}
+        if mismatched:
+            raise ValueError(
+                f"Feature cache {self.path} was built from {target['name_or_path']} with {expected}, but the drafter "
+                f"has { ({name: getattr(drafter_config, name) for name in mismatched}) }: build a cache with the "
+                "drafter's `target_layer_ids` for its target."
+            )
+
+
+def _config_value(config, name: str):
+    value = getattr(config, name)
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+@dataclass
+class FeatureCacheArguments(DatasetArguments):
+    """`osprey features`: which target, which dataset, where to; tokenization as `osprey distill` does it."""
+
+    target_model: str | None = field(default=None, metadata={"help": "Zoo name, directory or Hub id of the target."})
+    output_dir: str | None = field(default=None, metadata={"help": "New directory for the feature cache."})
+    target_layer_ids: list[int] | None = field(
+        default=None, metadata={"help": "Tap blocks, as in the drafter's config; default [1, L//2 - 1, L - 4]."}
+    )
+    max_length: int | None = field(default=2048, metadata={"help": "Truncate sequences to this many tokens."})
+    max_examples: int | None = field(default=None, metadata={"help": "Use at most this many examples per split."})
+    batch_size: int = field(default=8, metadata={"help": "Sequences per target forward."})
+    dataset_text_field: str = field(default="text", metadata={"help": "Column holding plain text."})
+    assistant_only_loss: bool = field(default=True, metadata={"help": "Train on assistant tokens only (chats)."})
+    target_dtype: str = field(default="auto", metadata={"help": "Target dtype: auto, bfloat16 or float32."})
+    storage_dtype: str = field(default="bfloat16", metadata={"help": "Dtype of the stored hidden states."})
+    shard_size_mb: int = field(default=1024, metadata={"help": "Approximate size of one shard file."})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`osprey features`: `--config config.yaml` and/or flags, see `osprey features --help`."""
+    from trl import TrlParser
+
+    from modeling_osprey.target_features import default_target_layer_ids
+    from osprey.zoo import load_tokenizer
+
+    from .distill import load_target
+    from .tokenization import tokenize_dataset
+
+    parser = TrlParser([FeatureCacheArguments], prog="osprey features", description=__doc__)
+    (args,) = parser.parse_args_and_config(argv)
+    if args.target_model is None or args.dataset_name is None or args.output_dir is None:
+        raise ValueError("Pass --target_model, --dataset_name and --output_dir.")
+    target = load_target(args.target_model, args.target_dtype)
+    target.to("cuda" if torch.cuda.is_available() else "cpu")
+    layer_ids = args.target_layer_ids or default_target_layer_ids(target.config.get_text_config().num_hidden_layers)
+    tokenizer = load_tokenizer(args.target_model)
+    dataset = load_text_dataset(args)
+    splits = {}
+    for split in (args.dataset_train_split, args.dataset_test_split):
+        if split in dataset:
+            examples = tokenize_dataset(
+                dataset[split], tokenizer, args.max_length, args.dataset_text_field, args.assistant_only_loss
+            )
+            splits[split] = examples if args.max_examples is None else examples.take(args.max_examples)
+    path = build_feature_cache(
+        target, splits, args.output_dir, layer_ids, args.batch_size, getattr(torch, args.storage_dtype),
+        args.shard_size_mb << 20, target_name=args.target_model,
+    )  # fmt: skip
+    print(f"wrote the feature cache to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
