@@ -20,7 +20,8 @@ class OspreyConfig(PreTrainedConfig):
     The first decoder block is the fusion block: its attention reads `[hidden_norm(fc(target taps)) ;
     input_layernorm(token stream)]`, so q/k/v take `2 * hidden_size` inputs, while the residual stream carries the
     token embeddings. With the feature half of q/k/v zero-initialised the drafter computes exactly what the backbone
-    did, which is what makes target-agnostic pretraining transferable.
+    did, which is what makes target-agnostic pretraining transferable. The same class also expresses an EAGLE-3
+    drafter (one block, `residual_stream="features"`), the baseline Osprey is measured against.
 
     Args:
         vocab_size (`int`, *optional*, defaults to 151936):
@@ -68,6 +69,10 @@ class OspreyConfig(PreTrainedConfig):
             `model_type` of the target the drafter was converted for (e.g. `"qwen2"`), checked when attaching.
         backbone_model_type (`str`, *optional*):
             `model_type` of the pretrained backbone the blocks came from (e.g. `"llama"`), for provenance.
+        residual_stream (`str`, *optional*, defaults to `"tokens"`):
+            What the fusion block adds its attention output to. `"tokens"` (Osprey): the token embeddings, so the
+            blocks keep running the backbone's computation. `"features"` (EAGLE-3): the fused features, i.e.
+            `fc(target taps)` or, on later chain steps, the drafter's own previous hidden state.
     """
 
     model_type = "osprey"
@@ -96,6 +101,7 @@ class OspreyConfig(PreTrainedConfig):
     target_layer_ids: list[int] = field(default_factory=lambda: [1, 13, 24])
     target_model_type: str | None = None
     backbone_model_type: str | None = None
+    residual_stream: str = "tokens"
 
     def __post_init__(self, **kwargs):
         if self.head_dim is None:
@@ -123,6 +129,10 @@ class OspreyConfig(PreTrainedConfig):
             raise ValueError(
                 "tie_word_embeddings=True needs draft_vocab_size == vocab_size (the LM head would otherwise have a "
                 "different number of rows than the embedding); set tie_word_embeddings=False."
+            )
+        if self.residual_stream not in ("tokens", "features"):
+            raise ValueError(
+                f"residual_stream must be 'tokens' (Osprey) or 'features' (EAGLE-3), got {self.residual_stream!r}."
             )
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids is empty: the drafter needs at least one target tap layer.")

@@ -116,11 +116,13 @@ class OspreyMLP(nn.Module):
 
 class OspreyDecoderLayer(GradientCheckpointingLayer):
     """A Llama/Qwen pre-norm block. Block 0 additionally fuses the (projected) target features into its attention
-    input: `attn(cat([hidden_norm(features), input_layernorm(residual)]))`, the residual being the token stream."""
+    input: `attn(cat([hidden_norm(features), input_layernorm(tokens)]))`. Its residual is the token stream (Osprey)
+    or the features (EAGLE-3), per `config.residual_stream`."""
 
     def __init__(self, config: OspreyConfig, layer_idx: int):
         super().__init__()
         self.fuses_features = layer_idx == 0
+        self.features_are_residual = self.fuses_features and config.residual_stream == "features"
         attention_input_size = 2 * config.hidden_size if self.fuses_features else config.hidden_size
         self.self_attn = OspreyAttention(config, layer_idx, attention_input_size)
         self.mlp = OspreyMLP(config)
@@ -129,10 +131,10 @@ class OspreyDecoderLayer(GradientCheckpointingLayer):
         self.hidden_norm = OspreyRMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.fuses_features else None
 
     def forward(self, hidden_states, features, position_embeddings, attention_mask, cache):
-        residual = hidden_states
         attention_input = self.input_layernorm(hidden_states)
         if self.fuses_features:
             attention_input = torch.cat([self.hidden_norm(features), attention_input], dim=-1)
+        residual = features if self.features_are_residual else hidden_states
         hidden_states = residual + self.self_attn(attention_input, position_embeddings, attention_mask, cache)
         residual = hidden_states
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))

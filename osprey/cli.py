@@ -11,7 +11,7 @@ import importlib
 import sys
 
 
-SUBCOMMAND_MODULES = ("osprey.zoo", "osprey.prune", "trainers.cli", "osprey.convert", "osprey.decode")
+SUBCOMMAND_MODULES = ("osprey.zoo", "osprey.prune", "trainers.cli", "osprey.convert", "osprey.baselines", "osprey.decode")
 
 
 def build_parser() -> argparse.ArgumentParser:

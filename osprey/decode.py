@@ -12,6 +12,7 @@ and `q` are the target's and drafter's distributions after the same logits proce
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -98,9 +99,16 @@ def speculative_generate(
     top_p: float | None = None,
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
+    on_tokens: Callable[[torch.LongTensor, int | None], None] | None = None,
 ) -> tuple[torch.LongTensor, SpeculativeStats]:
     """Generates up to `max_new_tokens` after `input_ids` (batch 1) with `drafter` proposing chains of
-    `num_draft_tokens` and `target` verifying them; returns the full sequence and the request's statistics."""
+    `num_draft_tokens` and `target` verifying them; returns the full sequence and the request's statistics.
+
+    `on_tokens(tokens, accepted)` streams the output as it is decided, for demos: it is called with the prefill's
+    token (`accepted=None`), then once per verification step with the tokens that step emitted, `tokens[:, :accepted]`
+    being accepted drafts and any token after them the target's own (correction or bonus; absent when the step's
+    output was cut at eos or `max_new_tokens`).
+    """
     if input_ids.shape[0] != 1:
         raise ValueError(f"speculative_generate decodes one prompt at a time, got batch size {input_ids.shape[0]}.")
     processors = sampling_processors(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
@@ -118,6 +126,8 @@ def speculative_generate(
         first = _target_tokens(logits.float(), input_ids, processors, do_sample, generator)
         sequence, features = torch.cat([input_ids, first], dim=-1), capture.features
         stats.new_tokens = 1
+        if on_tokens is not None:
+            on_tokens(first, None)
         state = DraftState()
         while stats.new_tokens < max_new_tokens and not _ends_with(sequence, eos_ids):
             budget = min(num_draft_tokens, max_new_tokens - stats.new_tokens - 1)
@@ -138,6 +148,8 @@ def speculative_generate(
             stats.new_tokens += emitted.shape[1]
             stats.accepted_per_step.append(accepted)
             stats.drafted_per_step.append(drafts.shape[1])
+            if on_tokens is not None:
+                on_tokens(emitted, accepted)
     stats.wall_time_s = time.perf_counter() - start_time
     return sequence, stats
 

@@ -297,3 +297,16 @@ def test_target_with_unrollbackable_state_is_refused():
         speculative_generate(target, drafter, prompt(5, 0), max_new_tokens=5)
     with pytest.raises(ValueError, match="not supported with stateful models"):
         assisted_greedy(target, drafter, prompt(5, 0), 5)
+
+
+def test_streamed_tokens_rebuild_the_output_and_mark_accepted_drafts():
+    target, drafter = near_copy_pair("llama")
+    input_ids = prompt(9, 1)
+    streamed = []
+    output, stats = speculative_generate(
+        target, drafter, input_ids, max_new_tokens=30, on_tokens=lambda tokens, accepted: streamed.append((tokens, accepted))
+    )
+    assert streamed[0][1] is None and streamed[0][0].shape == (1, 1)  # the prefill's token
+    assert [accepted for _, accepted in streamed[1:]] == stats.accepted_per_step
+    assert torch.equal(torch.cat([input_ids] + [tokens for tokens, _ in streamed], dim=-1), output)
+    assert all(tokens.shape[1] <= accepted + 1 for tokens, accepted in streamed[1:])

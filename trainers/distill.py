@@ -50,6 +50,8 @@ class OspreyDistillConfig(TrainingArguments):
             Column holding plain text; examples with a `messages` column are rendered with the chat template instead.
         assistant_only_loss (`bool`, *optional*, defaults to `True`):
             Train on assistant tokens only when examples are conversations.
+        freeze_embeddings (`bool`, *optional*, defaults to `False`):
+            Keep the drafter's input embedding fixed, as EAGLE-3 does with the target's embedding it reuses.
     """
 
     target_model: str | None = field(default=None, metadata={"help": "Zoo name, directory or Hub id of the target."})
@@ -60,6 +62,7 @@ class OspreyDistillConfig(TrainingArguments):
     max_length: int | None = field(default=2048, metadata={"help": "Truncate sequences to this many tokens."})
     dataset_text_field: str = field(default="text", metadata={"help": "Column holding plain text."})
     assistant_only_loss: bool = field(default=True, metadata={"help": "Train on assistant tokens only (chats)."})
+    freeze_embeddings: bool = field(default=False, metadata={"help": "Keep the input embedding fixed (EAGLE-3)."})
     learning_rate: float = field(default=1e-4, metadata={"help": "The initial learning rate for AdamW."})
     logging_steps: float = field(default=10, metadata={"help": "Log every X update steps."})
     bf16: bool | None = field(default=None, metadata={"help": "bf16 mixed precision; default: on iff CUDA has bf16."})
@@ -251,6 +254,8 @@ class OspreyDistillTrainer(Trainer):
             raise ValueError("Pass either a `target_model` or a feature cache dataset, not both.")
         else:
             self.feature_cache.check_drafter(model.config)
+        if args.freeze_embeddings:
+            model.get_input_embeddings().requires_grad_(False)
         pad_token_id = getattr(processing_class, "pad_token_id", None) or 0
         super().__init__(
             model=model,
