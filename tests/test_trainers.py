@@ -3,6 +3,7 @@
 import argparse
 import json
 import math
+from functools import partial
 from itertools import pairwise
 
 import pytest
@@ -230,6 +231,32 @@ def test_feature_cache_trains_exactly_like_the_live_target(tmp_path, arch, overr
                              train_dataset=cache)  # fmt: skip
     with pytest.raises(ValueError, match="already exists"):
         build_feature_cache(target, {"train": dataset}, cache_dir, TAPS)
+
+
+def test_killed_feature_cache_build_resumes_after_its_last_shard(tmp_path):
+    target = make_tiny_target("llama")
+    dataset = token_dataset(12, 16, seed=2)
+    # About 16.5 kB per sequence: a shard every 3 sequences, so a kill at sequence 9 leaves shards of 0-2 and 3-5.
+    build = partial(build_feature_cache, target, layer_ids=TAPS, batch_size=2, dtype=torch.float32, shard_bytes=40_000)
+    uninterrupted = FeatureCacheDataset(build({"train": dataset}, tmp_path / "reference"))
+
+    def killed_after(count):
+        for number, example in enumerate(dataset):
+            if number == count:
+                raise KeyboardInterrupt
+            yield example
+
+    with pytest.raises(KeyboardInterrupt):
+        build({"train": killed_after(9)}, tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+    calls = []
+    target.register_forward_hook(lambda module, args, output: calls.append(1))
+    resumed = FeatureCacheDataset(build({"train": dataset}, tmp_path / "cache"))
+    assert len(uninterrupted.shard_paths) == 4 and len(calls) == 3  # sequences 6-11 only, in batches of 2
+    assert len(resumed) == len(uninterrupted) == 12
+    for item in range(12):
+        for name, tensor in uninterrupted[item].items():
+            assert torch.equal(resumed[item][name], tensor), (item, name)
 
 
 def test_feature_cache_refuses_a_target_whose_logits_are_not_its_head(tmp_path):

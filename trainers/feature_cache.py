@@ -19,12 +19,14 @@ Layout of a cache directory:
 Shards are memory-mapped and read one sequence at a time, so datasets far larger than RAM train fine.
 """
 
+import itertools
 import json
 import os
 import shutil
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import pairwise
 from pathlib import Path
 
@@ -43,6 +45,7 @@ from .data import DatasetArguments, load_text_dataset
 CACHE_FORMAT = 1
 INDEX_NAME = "feature_cache.json"
 HEAD_NAME = "target_head.safetensors"
+PROGRESS_NAME = "progress.json"  # in the staging directory: the shards a build completed so far
 SEQUENCE_FIELDS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_state", "target_argmax")
 
 
@@ -73,15 +76,17 @@ class TargetHead(nn.Module):
 
 
 class _ShardWriter:
-    """Buffers sequences and writes them out as safetensors shards of about `shard_bytes` each."""
+    """Buffers sequences and writes them out as safetensors shards of about `shard_bytes` each, appending each
+    complete shard to `shards` and calling `on_shard()` (which records the build's progress)."""
 
-    def __init__(self, directory: Path, shard_bytes: int):
+    def __init__(self, directory: Path, shard_bytes: int, shards: list[dict], on_shard):
         self.directory = directory
         self.shard_bytes = shard_bytes
-        self.shards: list[dict] = []
+        self.shards = shards
+        self.on_shard = on_shard
         self._buffer: list[dict[str, torch.Tensor]] = []
         self._buffered_bytes = 0
-        directory.mkdir(parents=True)
+        directory.mkdir(parents=True, exist_ok=True)
 
     def add(self, sequence: dict[str, torch.Tensor]) -> None:
         self._buffer.append(sequence)
@@ -96,9 +101,16 @@ class _ShardWriter:
         tensors = {name: torch.cat([sequence[name] for sequence in self._buffer]) for name in SEQUENCE_FIELDS}
         tensors["offsets"] = lengths.cumsum(0)
         name = f"shard-{len(self.shards):05d}.safetensors"
-        save_file(tensors, self.directory / name)
+        save_file(tensors, self.directory / f".{name}.partial")
+        os.replace(self.directory / f".{name}.partial", self.directory / name)
         self.shards.append({"file": name, "num_sequences": len(self._buffer), "num_tokens": int(lengths.sum())})
+        self.on_shard()
         self._buffer, self._buffered_bytes = [], 0
+
+
+def _save_progress(directory: Path, progress: dict) -> None:
+    (directory / f".{PROGRESS_NAME}.partial").write_text(json.dumps(progress, indent=2) + "\n")
+    os.replace(directory / f".{PROGRESS_NAME}.partial", directory / PROGRESS_NAME)
 
 
 def _check_head(head: TargetHead, hidden_states: torch.Tensor, logits: torch.Tensor) -> None:
@@ -137,28 +149,46 @@ def build_feature_cache(
     """Runs `target` once over every split of tokenized examples (`input_ids`, `loss_mask`) and writes a feature cache.
 
     The cache is built in a staging directory and moved to `output_dir` when complete, so a failed or killed build
-    never leaves a directory that looks usable.
+    never leaves a directory that looks usable. Building is hours of target forwards on a CPU: a killed build rerun
+    with the same target, taps and dtype resumes after its last complete shard (the examples must come in the same
+    order, as they do from the same dataset and arguments).
     """
     output_dir = Path(output_dir)
     if output_dir.exists():
         raise ValueError(f"{output_dir} already exists: choose a new directory, or delete it to rebuild the cache.")
     staging = output_dir.with_name(f".{output_dir.name}.staging")
-    shutil.rmtree(staging, ignore_errors=True)  # left by a killed build
-    staging.mkdir(parents=True)
+    name_or_path = target_name or getattr(target.config, "_name_or_path", None)
+    build = {"target": name_or_path, "target_layer_ids": list(layer_ids), "dtype": str(dtype).removeprefix("torch.")}
+    progress = _load_progress(staging, build)
+    if progress is None:
+        shutil.rmtree(staging, ignore_errors=True)  # another build's leftovers
+        staging.mkdir(parents=True)
+        progress = {"build": build, "splits": {}}
     try:
-        index = _write_cache(target, splits, staging, layer_ids, batch_size, dtype, shard_bytes)
+        index = _write_cache(target, splits, staging, layer_ids, batch_size, dtype, shard_bytes, progress)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if not any(progress["splits"].values()):  # nothing worth resuming from
+            shutil.rmtree(staging, ignore_errors=True)
         raise
-    index["target"]["name_or_path"] = target_name or getattr(target.config, "_name_or_path", None)
+    index["target"]["name_or_path"] = name_or_path
     (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    (staging / PROGRESS_NAME).unlink()
     os.replace(staging, output_dir)
     return output_dir
 
 
+def _load_progress(staging: Path, build: dict) -> dict | None:
+    """The shards a killed build of the same `build` completed in `staging`, or None to start afresh."""
+    try:
+        progress = json.loads((staging / PROGRESS_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return progress if progress.get("build") == build else None
+
+
 @torch.no_grad()
-def _write_cache(target, splits, directory: Path, layer_ids, batch_size, dtype, shard_bytes) -> dict:
-    """Writes the head and every split's shards to `directory`; returns the cache index."""
+def _write_cache(target, splits, directory: Path, layer_ids, batch_size, dtype, shard_bytes, progress) -> dict:
+    """Writes the head and every split's shards to `directory`, after those `progress` lists; returns the index."""
     head = TargetHead.from_model(target)
     save_file({name: tensor.contiguous() for name, tensor in head.state_dict().items()}, directory / HEAD_NAME)
     config = target.config.get_text_config(decoder=True)
@@ -182,8 +212,15 @@ def _write_cache(target, splits, directory: Path, layer_ids, batch_size, dtype, 
     try:
         with TargetFeatureCapture(target, layer_ids) as capture:
             for split, examples in splits.items():
-                writer = _ShardWriter(directory / split, shard_bytes)
-                for batch in tqdm(_batches(examples, batch_size), desc=f"Target features ({split})", unit="batch"):
+                done = progress["splits"].setdefault(split, [])
+                writer = _ShardWriter(directory / split, shard_bytes, done, partial(_save_progress, directory, progress))
+                skipped = sum(shard["num_sequences"] for shard in done)
+                examples = itertools.islice(examples, skipped, None)
+                batches = tqdm(
+                    _batches(examples, batch_size), desc=f"Target features ({split})", unit="batch",
+                    postfix={"resumed after": skipped} if skipped else None,
+                )  # fmt: skip
+                for batch in batches:
                     input_ids, attention_mask = _right_padded([example["input_ids"] for example in batch])
                     final_hidden.clear()
                     logits = target(
