@@ -376,6 +376,16 @@ class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationM
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
 
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Publishes the drafter with its Osprey model card, plus the tokenizer and alignment report of the directory it
+        was loaded from (`osprey.hub.push_drafter`, which also takes `bench_results=`, `base_model=`, `source_dir=`).
+        Loaded as remote code without the osprey package installed, it falls back to transformers' generic card."""
+        try:
+            from osprey.hub import push_drafter
+        except ImportError:
+            return super().push_to_hub(repo_id, **kwargs)
+        return push_drafter(self, repo_id, **kwargs)
+
     def draft_ids_to_target_ids(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
         """Maps ids over the draft vocabulary (LM-head rows) to target-vocabulary ids."""
         return self.draft_to_target[draft_ids]

@@ -23,6 +23,7 @@ from modeling_osprey import OspreyConfig, OspreyForDrafting
 from modeling_osprey.target_features import default_target_layer_ids, validate_target_layer_ids
 
 from . import zoo
+from .presets import AUTO, PRESET_CHOICES, TargetPreset, end_of_turn_token_ids, merged_eos_token_ids, resolve_preset
 from .prune import copy_notices, require_empty_output_dir
 from .vocab_alignment import align_vocabularies, select_draft_vocab
 
@@ -37,13 +38,15 @@ def drafter_config(
     target_config: PreTrainedConfig,
     target_layer_ids: Sequence[int] | None = None,
     draft_vocab_size: int | None = None,
+    preset: TargetPreset | None = None,
 ) -> OspreyConfig:
-    """The drafter's config: block shapes from the backbone, vocabulary, tap layers and special ids from the target."""
+    """The drafter's config: block shapes from the backbone, vocabulary, tap layers and special ids from the target.
+    Taps are `target_layer_ids`, else the `preset`'s, else EAGLE-3's default."""
     _check_backbone(backbone_config)
     target = target_config.get_text_config()
     num_target_layers = target.num_hidden_layers
     if target_layer_ids is None:
-        target_layer_ids = default_target_layer_ids(num_target_layers)
+        target_layer_ids = preset.target_layer_ids if preset else default_target_layer_ids(num_target_layers)
     target_layer_ids = list(validate_target_layer_ids(list(target_layer_ids), num_target_layers))
     return OspreyConfig(
         vocab_size=target.vocab_size,
@@ -147,6 +150,7 @@ def convert(
     backbone_tokenizer: PreTrainedTokenizerBase | None = None,
     target_tokenizer: PreTrainedTokenizerBase | None = None,
     output_dir: str | os.PathLike | None = None,
+    preset: str | None = AUTO,
 ) -> tuple[OspreyForDrafting, dict]:
     """Converts a (pruned) backbone into a drafter for `target`; returns it with the conversion report.
 
@@ -154,9 +158,12 @@ def convert(
     `target` likewise, or a config (then pass `target_tokenizer`). With `draft_vocab_size`, the LM head predicts only
     the most frequent target tokens of the `corpus` text files. With `output_dir` (new or empty), the drafter is saved
     there with the target's tokenizer, `alignment_report.json` and a generation config drafting 5 tokens per step.
+    `preset` (`osprey.presets`: a name, `"auto"` or `"none"`) supplies the taps when `target_layer_ids` is None and
+    adds a seed target's end-of-turn tokens to the generation config's eos ids.
     """
     output_dir = None if output_dir is None else require_empty_output_dir(output_dir)
     target_config, target_tokenizer, target_dir = _load_target(target, target_tokenizer)
+    target_preset = resolve_preset(target_config, preset)
     if isinstance(backbone, PreTrainedModel):
         if backbone_tokenizer is None:
             raise ValueError("Pass `backbone_tokenizer` with a loaded backbone: the alignment needs its vocabulary.")
@@ -164,7 +171,7 @@ def convert(
     else:
         backbone_dir = zoo.resolve_model_path(backbone)
         backbone_config = AutoConfig.from_pretrained(backbone_dir)
-    config = drafter_config(backbone_config, target_config, target_layer_ids, draft_vocab_size)  # checks, no weights
+    config = drafter_config(backbone_config, target_config, target_layer_ids, draft_vocab_size, target_preset)
     if backbone_dir is not None:
         backbone_tokenizer = backbone_tokenizer or zoo.load_tokenizer(backbone_dir)
         backbone = zoo.load_causal_lm(backbone_dir)
@@ -184,7 +191,7 @@ def convert(
         num_assistant_tokens=NUM_ASSISTANT_TOKENS,
         num_assistant_tokens_schedule="constant",
         bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
+        eos_token_id=merged_eos_token_ids(config.eos_token_id, end_of_turn_token_ids(target_preset, target_tokenizer)),
         pad_token_id=config.pad_token_id,
     )
     report = {
@@ -192,6 +199,7 @@ def convert(
         "target": target_config.name_or_path,
         "backbone_model_type": config.backbone_model_type,
         "target_model_type": config.target_model_type,
+        "preset": None if target_preset is None else target_preset.name,
         "num_hidden_layers": config.num_hidden_layers,
         "pruning": getattr(backbone.config, "osprey_pruning", None),
         "target_layer_ids": config.target_layer_ids,
@@ -247,8 +255,14 @@ def add_subcommand(subparsers) -> None:
     parser.add_argument("--target", required=True, help="target LLM (only its config and tokenizer are read)")
     parser.add_argument("--output", required=True, help="new (or empty) directory for the drafter")
     parser.add_argument(
-        "--target-layers", type=_layer_ids, help="target blocks to tap, e.g. 1,13,24 (default: [1, L//2-1, L-4])"
+        "--target-layers",
+        type=_layer_ids,
+        help="target blocks to tap, e.g. 1,13,24 (default: the preset's, else [1, L//2-1, L-4])",
     )
+    parser.add_argument(
+        "--preset", default=AUTO, choices=PRESET_CHOICES,
+        help="seed-target preset (taps, end-of-turn tokens); auto: the one matching the target's config",
+    )  # fmt: skip
     parser.add_argument("--draft-vocab-size", type=int, help="predict only the K most frequent target tokens")
     parser.add_argument("--draft-vocab-corpus", nargs="+", metavar="FILE", help="text file(s) to count tokens on")
     parser.set_defaults(run=_run_convert)
@@ -262,6 +276,7 @@ def _run_convert(args) -> int:
         draft_vocab_size=args.draft_vocab_size,
         corpus=args.draft_vocab_corpus,
         output_dir=args.output,
+        preset=args.preset,
     )
     alignment = report["alignment"]
     print(f"target rows: {alignment['target_rows']}; " + ", ".join(f"{k} {v}" for k, v in alignment["counts"].items()))
@@ -269,5 +284,6 @@ def _run_convert(args) -> int:
     if report["draft_vocab"]:
         size, coverage = report["draft_vocab"]["size"], report["draft_vocab"]["corpus_coverage"]
         print(f"draft vocabulary: {size} tokens cover {coverage:.2%} of the corpus")
+    print(f"target preset: {report['preset'] or 'none'}; taps {report['target_layer_ids']}")
     print(f"saved the drafter to {args.output} (report: alignment_report.json)")
     return 0

@@ -457,9 +457,12 @@ def test_cli_pretrain_and_distill_from_yaml_with_overrides(tmp_path):
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
     tiny_drafter(target).save_pretrained(tmp_path / "drafter")
+    (tmp_path / "drafter" / "alignment_report.json").write_text('{"target": "tiny"}')
     argv = ["distill", "--drafter", str(tmp_path / "drafter"), "--target_model", str(tmp_path / "target"),
             "--dataset_name", str(tmp_path / "corpus.jsonl"), "--output_dir", str(tmp_path / "distilled"),
             "--max_steps", "2", "--max_length", "24", "--report_to", "none"]  # fmt: skip
     args = osprey_parser().parse_args(argv)
     assert args.run(args) == 0
     assert OspreyForDrafting.from_pretrained(tmp_path / "distilled").config.target_layer_ids == TAPS
+    assert json.loads((tmp_path / "distilled" / "trainer_state.json").read_text())["global_step"] == 2
+    assert json.loads((tmp_path / "distilled" / "alignment_report.json").read_text()) == {"target": "tiny"}

@@ -6,8 +6,10 @@ next-token distribution by soft cross-entropy. Positions, tokens and attention m
 `modeling_osprey.generation_osprey` one to one, so what is trained is what decoding runs (see `ttt_loss`).
 """
 
+import shutil
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -343,12 +345,12 @@ def check_target_fits(drafter_config, target_config) -> None:
             )
 
 
-def load_target(name_or_path: str, dtype: str) -> PreTrainedModel:
+def load_target(name_or_path: str, dtype: str, device_map: str | None = None) -> PreTrainedModel:
     from osprey.zoo import load_causal_lm
 
     if dtype == "auto":
         dtype = "bfloat16" if cuda_bf16_available() else "float32"
-    return load_causal_lm(name_or_path, dtype=getattr(torch, dtype))
+    return load_causal_lm(name_or_path, dtype=getattr(torch, dtype), device_map=device_map)
 
 
 @dataclass
@@ -389,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     trainer.train(resume_from_checkpoint=resume_argument(config.resume_from_checkpoint))
     trainer.save_model(config.output_dir)
+    trainer.save_state()  # trainer_state.json: the training budget, for the model card
+    report = Path(script_args.drafter) / "alignment_report.json"
+    if report.is_file():
+        shutil.copy2(report, Path(config.output_dir) / report.name)
     return 0
 
 

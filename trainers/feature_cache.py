@@ -339,6 +339,10 @@ class FeatureCacheArguments(DatasetArguments):
     dataset_text_field: str = field(default="text", metadata={"help": "Column holding plain text."})
     assistant_only_loss: bool = field(default=True, metadata={"help": "Train on assistant tokens only (chats)."})
     target_dtype: str = field(default="auto", metadata={"help": "Target dtype: auto, bfloat16 or float32."})
+    target_device_map: str | None = field(
+        default=None,
+        metadata={"help": "Spread a target too large for one GPU over all of them (e.g. `auto`); default: one device."},
+    )
     storage_dtype: str = field(default="bfloat16", metadata={"help": "Dtype of the stored hidden states."})
     shard_size_mb: int = field(default=1024, metadata={"help": "Approximate size of one shard file."})
 
@@ -357,8 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     (args,) = parser.parse_args_and_config(argv)
     if args.target_model is None or args.dataset_name is None or args.output_dir is None:
         raise ValueError("Pass --target_model, --dataset_name and --output_dir.")
-    target = load_target(args.target_model, args.target_dtype)
-    target.to("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(args.target_model, args.target_dtype, device_map=args.target_device_map)
+    if args.target_device_map is None:
+        target.to("cuda" if torch.cuda.is_available() else "cpu")
     layer_ids = args.target_layer_ids or default_target_layer_ids(target.config.get_text_config().num_hidden_layers)
     tokenizer = load_tokenizer(args.target_model)
     dataset = load_text_dataset(args)

@@ -1,0 +1,339 @@
+"""The Space's event functions: Osprey decoding streamed step by step, then the target alone, and saved benchmarks.
+
+Kept apart from the Gradio layout (`app.py`) so tests drive them directly with tiny models.
+"""
+
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+import torch
+from allowlist import ModelCatalog
+from transformers.generation.streamers import BaseStreamer
+
+from osprey.decode import speculative_generate
+
+APP_DIR = Path(__file__).resolve().parent
+ACCEPTED, TARGET = "accepted draft", "target token"
+RESULT_KEYS = ("method", "suite", "category", "num_prompts", "tau", "tokens_per_s", "speedup")
+OUTPUT_NAMES = ("osprey", "target_only", "tau", "osprey_tokens_per_s", "target_tokens_per_s", "speedup", "new_tokens",
+                "verify_steps")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one visitor may ask for: the bounds keep a public Space responsive for the next one."""
+
+    max_prompt_chars: int = 2000
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 256
+    max_draft_tokens: int = 10
+    max_temperature: float = 2.0
+    max_queue: int = 20
+
+
+class SegmentedText:
+    """The decoded text of a growing token sequence, split into labelled segments (accepted drafts, target tokens).
+
+    Each addition decodes the whole sequence, so multi-byte characters split across tokens and tokenizers that
+    rewrite earlier text stay exact: the segments always join to the sequence's decoded text. A trailing incomplete
+    character waits for its remaining bytes, and is counted with the segment that completes it.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.token_ids, self.segments = tokenizer, [], []
+
+    def add(self, token_ids: list[int], label: str, final: bool = False) -> None:
+        self.token_ids += token_ids
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        text = text if final else text.rstrip("\ufffd")
+        shown = "".join(piece for piece, _ in self.segments)
+        keep = len(os.path.commonprefix([shown, text]))
+        while len(shown) > keep:  # earlier text was revised: drop it back to the common prefix
+            piece, piece_label = self.segments.pop()
+            shown = shown[: -len(piece)]
+            if len(shown) < keep:
+                self.segments.append((piece[: keep - len(shown)], piece_label))
+                shown = text[:keep]
+        if len(text) > keep:
+            self.segments.append((text[keep:], label))
+
+    @property
+    def text(self) -> str:
+        return "".join(piece for piece, _ in self.segments)
+
+
+class BackgroundJob:
+    """Runs `work(emit)` in a thread, holding `lock`, while the caller iterates over what it emits: how a Gradio
+    generator streams from a callback. When the caller stops early (the visitor left), the next `emit` aborts the
+    work, so an abandoned generation frees its model within one step."""
+
+    _DONE = object()
+
+    def __init__(self, work, lock: threading.Lock):
+        self._work, self._lock = work, lock
+        self._events, self._stopped = queue.Queue(), threading.Event()
+        self.result, self._error = None, None
+
+    def _run(self) -> None:
+        try:
+            with self._lock:
+                self.result = self._work(self._emit)
+        except Exception as error:  # noqa: BLE001 (re-raised in the caller's thread)
+            self._error = error
+        finally:
+            self._events.put(self._DONE)
+
+    def _emit(self, event) -> None:
+        if self._stopped.is_set():
+            raise RuntimeError("Generation abandoned by its caller.")
+        self._events.put(event)
+
+    def __iter__(self):
+        threading.Thread(target=self._run, daemon=True).start()
+        try:
+            while (event := self._events.get()) is not self._DONE:
+                yield event
+        finally:
+            self._stopped.set()
+        if self._error is not None:
+            raise self._error
+
+
+class _TokenStreamer(BaseStreamer):
+    """Hands each token `generate` decides to a callback; `generate` puts the prompt first, which is skipped."""
+
+    def __init__(self, emit):
+        self.emit, self.prompt_seen = emit, False
+
+    def put(self, value):
+        if self.prompt_seen:
+            self.emit(value.view(-1).tolist())
+        self.prompt_seen = True
+
+    def end(self):
+        pass
+
+
+class OspreySpace:
+    """The Space's event functions, over an allow-listed `ModelCatalog` (tests pass one holding tiny models)."""
+
+    def __init__(self, catalog: ModelCatalog, limits: Limits = Limits(), results_dir: str | Path | None = None):
+        self.catalog, self.limits = catalog, limits
+        self.results_dir = Path(results_dir) if results_dir else default_results_dir()
+        self._warm_pairs: set[tuple[str, str]] = set()
+
+    def drafter_choices(self, target_name: str):
+        names = self._checked(self.catalog.drafter_names, target_name)
+        return gr.Dropdown(choices=names, value=names[0])
+
+    def generate(self, prompt, target_name, drafter_name, num_draft_tokens, temperature, max_new_tokens):
+        """Streams the outputs in `OUTPUT_NAMES` order: Osprey's run step by step, then the target alone. The
+        statistics are strings, blank until known, as a Number box would show a misleading 0."""
+        num_draft_tokens, max_new_tokens, temperature = int(num_draft_tokens), int(max_new_tokens), float(temperature)
+        self._check_settings(num_draft_tokens, temperature, max_new_tokens)
+        target, tokenizer, drafter = self._checked(self.catalog.load, target_name, drafter_name)
+        request = _Request(
+            target, tokenizer, drafter, self._encode(prompt, tokenizer).to(target.device), num_draft_tokens,
+            temperature, max_new_tokens, self.catalog.lock(target_name),
+        )  # fmt: skip
+        if (target_name, drafter_name) not in self._warm_pairs:  # one-off first-call costs would skew the speedup
+            try:
+                _warm_up(request)
+            except Exception as error:
+                raise _generation_error(error) from error
+            self._warm_pairs.add((target_name, drafter_name))
+        osprey, stats = yield from _stream_osprey(request)
+        target_only, target_rate = None, None
+        for target_only, target_rate in _stream_target_only(request, stats.new_tokens):
+            yield _row(osprey, target_only, stats.tau, stats.tokens_per_s, target_rate, None, stats.new_tokens,
+                       stats.verify_steps)  # fmt: skip
+        speedup = stats.tokens_per_s / target_rate
+        yield _row(osprey, target_only, stats.tau, stats.tokens_per_s, target_rate, speedup, stats.new_tokens,
+                   stats.verify_steps)  # fmt: skip
+
+    def benchmark_view(self):
+        """The τ-per-category plot's data and a note: what to run when there are no results, which files were bad."""
+        frame, problems = load_benchmark_results(self.results_dir)
+        frame = frame.assign(tau=pd.to_numeric(frame["tau"], errors="coerce")).dropna(subset=["tau"])
+        notes = [f"Skipped `{problem}`" for problem in problems]
+        if frame.empty:
+            notes.insert(0, f"No benchmark results yet: `osprey bench` writes them to `{self.results_dir}/*.json`.")
+        frame = frame.assign(
+            category=frame["suite"].astype(str) + " / " + frame["category"].astype(str),
+            series=frame["run"] + ": " + frame["method"].astype(str),  # results of several targets side by side
+        )
+        return frame, "\n\n".join(notes)
+
+    def _check_settings(self, num_draft_tokens: int, temperature: float, max_new_tokens: int) -> None:
+        limits = self.limits
+        for name, value, low, high in [
+            ("Draft length", num_draft_tokens, 1, limits.max_draft_tokens),
+            ("Temperature", temperature, 0, limits.max_temperature),
+            ("Max new tokens", max_new_tokens, 1, limits.max_new_tokens),
+        ]:
+            if not low <= value <= high:
+                raise gr.Error(f"{name} must be between {low} and {high}, got {value}.")
+
+    def _encode(self, prompt: str, tokenizer) -> torch.LongTensor:
+        if not prompt or not prompt.strip():
+            raise gr.Error("Type a prompt, or pick one of the examples.")
+        if len(prompt) > self.limits.max_prompt_chars:
+            raise gr.Error(
+                f"The prompt has {len(prompt)} characters; this Space takes at most {self.limits.max_prompt_chars}. "
+                "Shorten it."
+            )
+        if tokenizer.chat_template:
+            messages = [{"role": "user", "content": prompt}]
+            encoded = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )
+        else:
+            encoded = tokenizer(prompt, return_tensors="pt")
+        input_ids = encoded["input_ids"]
+        if input_ids.shape[1] > self.limits.max_prompt_tokens:
+            raise gr.Error(
+                f"The prompt is {input_ids.shape[1]} tokens long; this Space takes at most "
+                f"{self.limits.max_prompt_tokens}. Shorten it."
+            )
+        return input_ids
+
+    @staticmethod
+    def _checked(function, *args):
+        """Catalog refusals (unknown or mismatched models) reach the visitor as a message, not a traceback."""
+        try:
+            return function(*args)
+        except ValueError as error:
+            raise gr.Error(str(error)) from error
+
+
+@dataclass
+class _Request:
+    target: object
+    tokenizer: object
+    drafter: object
+    input_ids: torch.LongTensor
+    num_draft_tokens: int
+    temperature: float
+    max_new_tokens: int
+    lock: threading.Lock
+
+    @property
+    def sampling(self) -> dict:
+        return {"do_sample": True, "temperature": self.temperature} if self.temperature > 0 else {"do_sample": False}
+
+
+def _warm_up(request: _Request) -> None:
+    """A few tokens through both decoding paths, so that neither timed run pays for lazy initialisation."""
+    short = {"max_new_tokens": 3, "eos_token_id": None}
+    with request.lock:
+        speculative_generate(request.target, request.drafter, request.input_ids[:, :8], **short)
+        request.target.generate(request.input_ids[:, :8], do_sample=False, min_new_tokens=3, pad_token_id=0, **short)
+
+
+def _stream_osprey(request: _Request):
+    """Yields the full output row after each verification step; returns the final segments and the run's stats."""
+    target, start = request.target, time.perf_counter()
+    generator = torch.Generator(target.device).manual_seed(0)
+    job = BackgroundJob(
+        lambda emit: speculative_generate(
+            target, request.drafter, request.input_ids, max_new_tokens=request.max_new_tokens,
+            num_draft_tokens=request.num_draft_tokens, eos_token_id=target.generation_config.eos_token_id,
+            generator=generator, on_tokens=lambda *event: emit(event), **request.sampling,
+        ),
+        request.lock,
+    )  # fmt: skip
+    text, decided, steps = SegmentedText(request.tokenizer), 0, 0
+    for tokens, accepted in _reporting_errors(job):
+        tokens = tokens[0].tolist()
+        if accepted is None:  # the prefill's token
+            text.add(tokens, TARGET)
+        else:
+            text.add(tokens[:accepted], ACCEPTED)
+            text.add(tokens[accepted:], TARGET)
+            decided, steps = decided + accepted + 1, steps + 1
+        new_tokens = len(text.token_ids)
+        rate = new_tokens / (time.perf_counter() - start)
+        tau = decided / steps if steps else None
+        yield _row(list(text.segments), "", tau, rate, None, None, new_tokens, steps)
+    text.add([], TARGET, final=True)
+    return text.segments, job.result[1]
+
+
+def _stream_target_only(request: _Request, num_tokens: int):
+    """Yields (text so far, tokens/s so far) while `target.generate` decodes `num_tokens` tokens (exactly that many
+    when sampling, so both runs do the same work); the last pair is final, timed like Osprey's run."""
+    tokenizer, target = request.tokenizer, request.target
+    length = {"max_new_tokens": num_tokens}
+    if request.temperature > 0:  # and none of the warpers speculative_generate was not asked for
+        length |= {"min_new_tokens": num_tokens, "top_k": 0, "top_p": 1.0}
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    job = BackgroundJob(
+        lambda emit: _timed(
+            target.generate, request.input_ids, attention_mask=torch.ones_like(request.input_ids),
+            streamer=_TokenStreamer(emit), eos_token_id=target.generation_config.eos_token_id,
+            pad_token_id=pad_token_id, **length, **request.sampling,
+        ),
+        request.lock,
+    )  # fmt: skip
+    text, start = SegmentedText(tokenizer), time.perf_counter()
+    for tokens in _reporting_errors(job):
+        text.add(tokens, TARGET)
+        yield text.text, len(text.token_ids) / (time.perf_counter() - start)
+    text.add([], TARGET, final=True)
+    yield text.text, len(text.token_ids) / job.result[1]
+
+
+def _reporting_errors(job: BackgroundJob):
+    try:
+        yield from job
+    except Exception as error:
+        raise _generation_error(error) from error
+
+
+def _generation_error(error: Exception) -> gr.Error:
+    """What the visitor sees when the models fail: the error itself, not a generic "Error" box."""
+    return gr.Error(f"Generation failed: {type(error).__name__}: {error}")
+
+
+def _timed(function, *args, **kwargs):
+    start = time.perf_counter()
+    return function(*args, **kwargs), time.perf_counter() - start
+
+
+def _row(osprey, target_only, *numbers) -> tuple:
+    """One update of the outputs in `OUTPUT_NAMES` order; numbers as shown, blank while not known yet."""
+    shown = ["" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value) for value in numbers]
+    return osprey, target_only, *shown
+
+
+def default_results_dir() -> Path:
+    """`space/results/` when the Space ships its own results, else the repository's `benchmarks/results/`."""
+    bundled = APP_DIR / "results"
+    return bundled if bundled.is_dir() else APP_DIR.parent / "benchmarks" / "results"
+
+
+def load_benchmark_results(directory: str | Path) -> tuple[pd.DataFrame, list[str]]:
+    """The records of every `*.json` in `directory` (an `osprey bench` results file, whose `records` are one per
+    method x suite x category, or a bare list of such records), with the file's name as `run`; and a line per file
+    that held no such records."""
+    rows, problems = [], []
+    for path in sorted(Path(directory).glob("*.json")):
+        try:
+            content = json.loads(path.read_text())
+            records = content.get("records") if isinstance(content, dict) else content
+            if not isinstance(records, list) or not all(
+                isinstance(record, dict) and set(RESULT_KEYS) <= record.keys() for record in records
+            ):
+                raise ValueError(f"expected records with keys {', '.join(RESULT_KEYS)}")
+        except (OSError, ValueError) as error:
+            problems.append(f"{path.name}: {error}")
+            continue
+        rows += [{"run": path.stem} | {key: record[key] for key in RESULT_KEYS} for record in records]
+    return pd.DataFrame(rows, columns=["run", *RESULT_KEYS]), problems

@@ -1,0 +1,328 @@
+"""`osprey export`: EAGLE-3 checkpoints for vLLM (`speculators` format) and SGLang.
+
+The expectations are derived from the engines' loader code, read at (not copied from):
+- vLLM: vllm-project/vllm `vllm/model_executor/models/llama_eagle3.py` @ 00bd1493b3e82d6c13c68ee8a0e1c5a96707e190
+  (`Eagle3LlamaForCausalLM`, its `LlamaModel` and `LlamaDecoderLayer`), and
+  `vllm/transformers_utils/configs/speculators/{base,algos}.py` (speculators config -> vLLM config);
+- speculators: vllm-project/speculators `src/speculators/models/eagle3/{config,core,model_definitions}.py` @ c05b95b3;
+- SGLang: sgl-project/sglang `python/sglang/srt/models/llama_eagle3.py` @ 03d5a7771f6082e7737a5f19cae7d1e863087013 and
+  d737979cbd17c6162f39c1953cfa72d3d23cc0d0 (`LlamaForCausalLMEagle3`), `python/sglang/srt/models/llama.py`.
+
+The strongest check re-implements the engines' EAGLE-3 draft forward from that reading and feeds it the exported
+tensors and config: it must give the drafter's logits, at step 0 and on chain steps fed back their pre-norm state.
+"""
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
+
+from osprey import OspreyConfig, OspreyForDrafting
+from osprey import export as export_module
+from osprey.export import SGLANG, SPECULATORS, export_drafter
+
+
+TAPS = [1, 3, 6]
+FUSED_SHARDS = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj"}
+FUSED_SHARDS |= {".gate_proj": ".gate_up_proj", ".up_proj": ".gate_up_proj"}
+
+
+def eagle3_drafter(num_layers=1, draft_vocab_size=40, attention_bias=False, hidden_size=32, seed=0, **overrides):
+    """A random EAGLE-3-style drafter (feature residual) with perturbed norms and an unsorted reduced vocabulary."""
+    values = {
+        "vocab_size": 64, "draft_vocab_size": draft_vocab_size, "hidden_size": hidden_size, "intermediate_size": 48,
+        "num_hidden_layers": num_layers, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "rms_norm_eps": 1e-6, "rope_theta": 5e5, "initializer_range": 0.2, "target_hidden_size": 24,
+        "target_layer_ids": TAPS, "residual_stream": "features", "attention_bias": attention_bias,
+    }  # fmt: skip
+    values.update(overrides)
+    torch.manual_seed(seed)
+    drafter = OspreyForDrafting(OspreyConfig(**values))
+    with torch.no_grad():
+        for name, parameter in drafter.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                parameter.copy_(
+                    1 + torch.randn_like(parameter) * 0.3 if "norm" in name else torch.randn_like(parameter)
+                )
+        drafter.draft_to_target.copy_(torch.randperm(values["vocab_size"])[:draft_vocab_size])
+    return drafter.eval()
+
+
+def exported(drafter, export_format, tmp_path, **kwargs):
+    output = export_drafter(drafter, export_format, tmp_path / export_format, **kwargs)
+    return load_file(output / "model.safetensors"), json.loads((output / "config.json").read_text())
+
+
+def layer_config(config: dict, export_format: str) -> dict:
+    return config["transformer_layer_config"] if export_format == SPECULATORS else config
+
+
+# --- what the engines' loaders build and how they rename checkpoint keys ------------------------------------------
+
+
+def _fused(name: str) -> str:
+    for shard, fused in FUSED_SHARDS.items():
+        if shard in name:
+            return name.replace(shard, fused)
+    return name
+
+
+def vllm_parameter(name: str) -> str | None:
+    """Eagle3LlamaForCausalLM.load_weights: `t2d` skipped, `d2t` -> `draft_id_to_target_id`, `model.` prefixed unless
+    lm_head; then LlamaModel.load_weights: `midlayer.` -> `layers.0.`, q/k/v and gate/up stacked."""
+    if "t2d" in name:
+        return None
+    if "d2t" in name:
+        return "draft_id_to_target_id"
+    name = name if "lm_head" in name else "model." + name
+    return _fused(name.replace("midlayer.", "layers.0."))
+
+
+def sglang_parameter(name: str) -> str | None:
+    """LlamaForCausalLMEagle3.load_weights: `d2t` becomes `hot_token_id` (d2t + arange, not a parameter), `t2d`
+    skipped, q/k/v and gate/up stacked, `model.` prefixed when the bare name is not a parameter (lm_head is);
+    any other name is silently ignored, so every expected parameter must be hit."""
+    if "t2d" in name:
+        return None
+    if "d2t" in name:
+        return "hot_token_id"
+    name = _fused(name)
+    return name if name == "lm_head.weight" else "model." + name
+
+
+def engine_parameter_shapes(config: dict, export_format: str) -> dict[str, tuple]:
+    """The parameters the engine's EAGLE-3 model creates and loads, with their shapes."""
+    layer = layer_config(config, export_format)
+    hidden, inter, head_dim = layer["hidden_size"], layer["intermediate_size"], layer["head_dim"]
+    qkv_rows = (layer["num_attention_heads"] + 2 * layer["num_key_value_heads"]) * head_dim
+    vocab, draft_vocab = layer["vocab_size"], config["draft_vocab_size"]
+    shapes = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.fc.weight": (hidden, 3 * config["target_hidden_size"]),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (draft_vocab, hidden),
+    }
+    if draft_vocab < vocab:
+        shapes["draft_id_to_target_id" if export_format == SPECULATORS else "hot_token_id"] = (draft_vocab,)
+    for index in range(layer["num_hidden_layers"]):
+        prefix = "model.midlayer." if export_format == SGLANG else f"model.layers.{index}."
+        shapes |= {
+            prefix + "self_attn.qkv_proj.weight": (qkv_rows, 2 * hidden if index == 0 else hidden),
+            prefix + "self_attn.o_proj.weight": (hidden, layer["num_attention_heads"] * head_dim),
+            prefix + "mlp.gate_up_proj.weight": (2 * inter, hidden),
+            prefix + "mlp.down_proj.weight": (hidden, inter),
+            prefix + "input_layernorm.weight": (hidden,),
+            prefix + "post_attention_layernorm.weight": (hidden,),
+        }
+        if index == 0:  # vLLM builds a hidden_norm in every layer but reads only layer 0's
+            shapes[prefix + "hidden_norm.weight"] = (hidden,)
+        if layer["attention_bias"]:  # vLLM: q/k/v bias and, with it, an o_proj bias
+            shapes |= {prefix + "self_attn.qkv_proj.bias": (qkv_rows,), prefix + "self_attn.o_proj.bias": (hidden,)}
+    return shapes
+
+
+@pytest.mark.parametrize(
+    "export_format, num_layers, draft_vocab_size, attention_bias",
+    [(SPECULATORS, 1, 64, False), (SPECULATORS, 2, 40, True), (SGLANG, 1, 40, False), (SGLANG, 1, 64, False)],
+)
+def test_exported_tensors_fill_exactly_the_engine_parameters(
+    tmp_path, export_format, num_layers, draft_vocab_size, attention_bias
+):
+    drafter = eagle3_drafter(num_layers, draft_vocab_size, attention_bias)
+    tensors, config = exported(drafter, export_format, tmp_path)
+    rename = vllm_parameter if export_format == SPECULATORS else sglang_parameter
+    loaded: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        if (parameter := rename(name)) is not None:
+            loaded.setdefault(parameter, []).append(tensor)
+    shapes = {name: tuple(torch.cat(shards).shape) for name, shards in loaded.items()}  # stacked shards
+    assert shapes == engine_parameter_shapes(config, export_format)
+    if draft_vocab_size < 64:
+        assert tensors["t2d"].dtype == torch.bool and tensors["t2d"].sum() == draft_vocab_size
+        assert tensors["d2t"].dtype == torch.int64
+
+
+@pytest.mark.parametrize("export_format", [SPECULATORS, SGLANG])
+def test_exported_config_is_what_the_engine_reads(tmp_path, export_format):
+    drafter = eagle3_drafter()
+    _, config = exported(drafter, export_format, tmp_path, verifier="Qwen/Qwen3-8B")
+    layer = LlamaConfig(**layer_config(config, export_format))  # the engines build the blocks from a LlamaConfig
+    assert (layer.hidden_size, layer.num_hidden_layers, layer.head_dim) == (32, 1, 8)
+    assert layer.rope_parameters == {"rope_type": "default", "rope_theta": 5e5} and not layer.tie_word_embeddings
+    assert (config["draft_vocab_size"], config["target_hidden_size"]) == (40, 24)
+    if export_format == SPECULATORS:
+        # base.py validates these keys; algos.update_eagle3 reads the rest (norm_before_residual defaults to True).
+        assert config["speculators_model_type"] == "eagle3"
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+        assert config["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen3-8B"
+        assert config["norm_before_residual"] is False
+        assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 7]  # vLLM captures the *input* of block i
+    else:
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == TAPS  # SGLang adds 1 itself
+
+
+# --- the engines' EAGLE-3 forward, re-implemented from the loader code --------------------------------------------
+
+
+def engine_eagle3_forward(tensors, config, export_format, input_ids, hidden_inputs):
+    """Logits over the target vocabulary and pre-norm states of an EAGLE-3 draft model, as vLLM / SGLang compute it
+    over positions 0..n-1, from the exported tensors and config alone.
+
+    `hidden_inputs` are per position in drafter space: fc(target taps), or a previous step's pre-norm state. Layer 0:
+    residual = hidden input; attention over cat(input_layernorm(embed(ids)), hidden_norm(hidden)); later layers are
+    plain pre-norm Llama layers; logits = lm_head(norm(output)), scattered to target ids `arange + d2t`.
+    """
+    layer = layer_config(config, export_format)
+    weights = {name.replace("midlayer.", "layers.0."): tensor for name, tensor in tensors.items()}
+    eps, theta, head_dim = layer["rms_norm_eps"], layer["rope_parameters"]["rope_theta"], layer["head_dim"]
+    num_heads, num_kv_heads = layer["num_attention_heads"], layer["num_key_value_heads"]
+    seq_len = input_ids.shape[1]
+
+    def rms_norm(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def linear(x, name):
+        bias = weights.get(name + ".bias")
+        return x @ weights[name + ".weight"].T + (0 if bias is None else bias)
+
+    def rope(x):  # neox style: rotate the two halves of each head
+        frequencies = theta ** (-torch.arange(0, head_dim, 2).float() / head_dim)
+        angles = torch.arange(seq_len).float()[:, None] * frequencies[None]
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-second, first], -1) * sin
+
+    def heads(y, count):
+        return y.view(1, seq_len, count, head_dim).transpose(1, 2)
+
+    def attention(x, prefix):
+        query = rope(heads(linear(x, prefix + "q_proj"), num_heads))
+        key = rope(heads(linear(x, prefix + "k_proj"), num_kv_heads)).repeat_interleave(num_heads // num_kv_heads, 1)
+        value = heads(linear(x, prefix + "v_proj"), num_kv_heads).repeat_interleave(num_heads // num_kv_heads, 1)
+        scores = query @ key.transpose(-1, -2) / math.sqrt(head_dim)
+        scores = scores.masked_fill(~torch.ones(seq_len, seq_len, dtype=torch.bool).tril(), float("-inf"))
+        mixed = (scores.softmax(-1) @ value).transpose(1, 2).reshape(1, seq_len, -1)
+        return linear(mixed, prefix + "o_proj")
+
+    embeds = weights["embed_tokens.weight"][input_ids]
+    hidden, residual = hidden_inputs, None
+    for index in range(layer["num_hidden_layers"]):
+        prefix = f"layers.{index}."
+        if index == 0:
+            residual = hidden  # norm_before_residual = false
+            x = torch.cat([rms_norm(embeds, weights[prefix + "input_layernorm.weight"]),
+                           rms_norm(hidden, weights[prefix + "hidden_norm.weight"])], -1)  # fmt: skip
+        else:
+            residual = hidden + residual
+            x = rms_norm(residual, weights[prefix + "input_layernorm.weight"])
+        residual = attention(x, prefix + "self_attn.") + residual
+        x = rms_norm(residual, weights[prefix + "post_attention_layernorm.weight"])
+        gate, up = linear(x, prefix + "mlp.gate_proj"), linear(x, prefix + "mlp.up_proj")
+        hidden = linear(torch.nn.functional.silu(gate) * up, prefix + "mlp.down_proj")
+    prenorm = hidden + residual
+    draft_logits = rms_norm(prenorm, weights["norm.weight"]) @ weights["lm_head.weight"].T
+    offsets = weights.get("d2t", torch.zeros(draft_logits.shape[-1], dtype=torch.long))
+    logits = draft_logits.new_full((*draft_logits.shape[:-1], layer["vocab_size"]), float("-inf"))
+    logits[..., torch.arange(len(offsets)) + offsets] = draft_logits
+    return logits, prenorm
+
+
+def in_target_vocabulary(drafter, draft_logits):
+    logits = draft_logits.new_full((*draft_logits.shape[:-1], drafter.config.vocab_size), float("-inf"))
+    logits[..., drafter.draft_to_target] = draft_logits
+    return logits
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "export_format, num_layers, draft_vocab_size, attention_bias",
+    [(SPECULATORS, 1, 64, False), (SPECULATORS, 2, 40, True), (SGLANG, 1, 40, False)],
+)
+def test_engine_forward_on_the_export_reproduces_the_drafter(
+    tmp_path, export_format, num_layers, draft_vocab_size, attention_bias
+):
+    drafter = eagle3_drafter(num_layers, draft_vocab_size, attention_bias)
+    tensors, config = exported(drafter, export_format, tmp_path)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (1, 9), generator=generator)
+    taps = torch.randn(1, 7, 3 * 24, generator=generator)
+    # The drafter: prefill over the target's taps, then two chain steps fed back their own pre-norm state.
+    prefill = drafter(tokens[:, :7], target_hidden_states=taps, use_cache=True)
+    step1 = drafter(tokens[:, 7:8], draft_hidden_states=prefill.prenorm_hidden_states[:, -1:], cache=prefill.cache)
+    step2 = drafter(tokens[:, 8:9], draft_hidden_states=step1.prenorm_hidden_states, cache=step1.cache)
+    # The engine: the same positions, each with its hidden input (fc of the taps, then the fed-back states).
+    fused = taps @ tensors["fc.weight"].T
+    logits, prenorm = engine_eagle3_forward(tensors, config, export_format, tokens[:, :7], fused)
+    torch.testing.assert_close(logits, in_target_vocabulary(drafter, prefill.logits))
+    hidden_inputs = torch.cat([fused, prenorm[:, -1:]], dim=1)
+    logits, prenorm = engine_eagle3_forward(tensors, config, export_format, tokens[:, :8], hidden_inputs)
+    torch.testing.assert_close(logits[:, -1:], in_target_vocabulary(drafter, step1.logits))
+    hidden_inputs = torch.cat([hidden_inputs, prenorm[:, -1:]], dim=1)
+    logits, _ = engine_eagle3_forward(tensors, config, export_format, tokens, hidden_inputs)
+    torch.testing.assert_close(logits[:, -1:], in_target_vocabulary(drafter, step2.logits))
+
+
+# --- what cannot be exported --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "export_format, overrides, message",
+    [
+        (SPECULATORS, {"residual_stream": "tokens", "num_layers": 2}, r"residual_stream='tokens'.*docs/serving.md"),
+        (SGLANG, {"residual_stream": "tokens"}, r"residual_stream='tokens'"),
+        (SPECULATORS, {"use_qk_norm": True}, "q/k norm"),
+        (SPECULATORS, {"target_layer_ids": [1, 2, 4, 6]}, "4 target taps"),
+        (SPECULATORS, {"hidden_act": "gelu"}, "only silu"),
+        (SGLANG, {"num_layers": 2}, "2 decoder blocks.*--format speculators"),
+        (SGLANG, {"attention_bias": True}, "without bias"),
+        (SGLANG, {"hidden_size": 24}, "pass --target"),  # as wide as the target: the engine may swap in its embedding
+        (SPECULATORS, {"hidden_size": 24}, "pass --target"),
+    ],
+)
+def test_drafters_an_engine_would_compute_differently_are_refused(tmp_path, export_format, overrides, message):
+    drafter = eagle3_drafter(**overrides)
+    with pytest.raises(ValueError, match=message):
+        export_drafter(drafter, export_format, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("export_format", [SPECULATORS, SGLANG])
+def test_export_of_a_target_wide_drafter_checks_the_shared_embedding(tmp_path, export_format):
+    drafter = eagle3_drafter(hidden_size=24)
+    target_dir = tmp_path / "target"
+    target_dir.mkdir()
+    save_file({"model.embed_tokens.weight": drafter.model.embed_tokens.weight.detach().clone()},
+              target_dir / "model.safetensors")  # fmt: skip
+    LlamaConfig(
+        vocab_size=64, hidden_size=24, num_attention_heads=4, architectures=["LlamaForCausalLM"]
+    ).save_pretrained(target_dir)
+    tensors, config = exported(drafter, export_format, tmp_path, target=target_dir)
+    assert torch.equal(tensors["embed_tokens.weight"], drafter.model.embed_tokens.weight)
+    if export_format == SPECULATORS:
+        assert config["speculators_config"]["verifier"] == {"name_or_path": str(target_dir),
+                                                             "architectures": ["LlamaForCausalLM"]}  # fmt: skip
+    with torch.no_grad():
+        drafter.model.embed_tokens.weight.add_(1.0)
+    with pytest.raises(ValueError, match="they differ"):
+        export_drafter(drafter, export_format, tmp_path / "different", target=target_dir)
+
+
+def test_cli_exports_a_saved_drafter_with_its_license(tmp_path, capsys):
+    drafter_dir = tmp_path / "drafter"
+    eagle3_drafter().save_pretrained(drafter_dir)
+    (drafter_dir / "alignment_report.json").write_text(json.dumps({"target": "Qwen/Qwen3-8B"}))
+    (drafter_dir / "LICENSE").write_text("terms")
+    parser = argparse.ArgumentParser()
+    export_module.add_subcommand(parser.add_subparsers())
+    args = parser.parse_args(["export", str(drafter_dir), "--format", "speculators", "--output", str(tmp_path / "out")])
+    assert args.run(args) == 0 and "exported" in capsys.readouterr().out
+    assert {path.name for path in (tmp_path / "out").iterdir()} == {"config.json", "model.safetensors", "LICENSE"}
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen3-8B"
+    with pytest.raises(ValueError, match="not an empty directory"):
+        args.run(args)
