@@ -11,7 +11,17 @@ import importlib
 import sys
 
 
-SUBCOMMAND_MODULES = ("osprey.zoo", "osprey.prune", "trainers.cli", "osprey.convert", "osprey.baselines", "osprey.decode")
+SUBCOMMAND_MODULES = (
+    "osprey.zoo",  # fetch
+    "osprey.prune",  # stage 1
+    "trainers.cli",  # stages 2 and 4: data, pretrain, features, distill
+    "osprey.convert",  # stage 3
+    "osprey.baselines",  # the controls Osprey is measured against
+    "osprey.decode",  # stage 5
+    "osprey.bench",
+    "osprey.export",  # to vLLM / SGLang
+    "osprey.hub",  # push
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

