@@ -399,14 +399,16 @@ class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationM
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
         use_cache: bool | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.BoolTensor = 0,
     ) -> OspreyDrafterOutput:
         r"""
         Arguments are those of [`OspreyModel.forward`], plus:
 
-            logits_to_keep (`int`, *optional*, defaults to 0):
-                Compute logits for only the last `logits_to_keep` positions (0 = all); drafting needs one, and with a
-                150k-row head that is most of a drafter step.
+            logits_to_keep (`int` or `torch.BoolTensor` of shape `(batch_size, sequence_length)`, *optional*, defaults to 0):
+                An int computes logits for only the last `logits_to_keep` positions (0 = all): drafting needs one, and
+                with a 150k-row head that is most of a drafter step. A boolean mask computes them only where it is
+                True and returns them flattened, `(mask.sum(), draft_vocab_size)`: training needs no logits on prompt
+                tokens and padding.
         """
         outputs = self.model(
             input_ids,
@@ -417,7 +419,11 @@ class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationM
             cache=cache,
             use_cache=use_cache,
         )
-        hidden_states = outputs.last_hidden_state[:, -logits_to_keep:] if logits_to_keep else outputs.last_hidden_state
+        hidden_states = outputs.last_hidden_state
+        if isinstance(logits_to_keep, torch.Tensor):
+            hidden_states = hidden_states[logits_to_keep]
+        elif logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
         return OspreyDrafterOutput(
             logits=self.lm_head(hidden_states),
             prenorm_hidden_states=outputs.prenorm_hidden_states,

@@ -108,7 +108,7 @@ class TTTOutput:
     step_losses: torch.Tensor
     step_correct: torch.Tensor
     step_counts: torch.Tensor
-    step_logits: list[torch.Tensor] | None = None
+    step_logits: list[tuple[torch.BoolTensor, torch.Tensor]] | None = None  # (positions counted, their logits)
 
 
 def ttt_loss(
@@ -142,9 +142,12 @@ def ttt_loss(
     """
     num_positions = input_ids.shape[1] - 1
     device = input_ids.device
-    target_probs = target_logits.float().softmax(dim=-1)
-    # label_mask[:, j]: P[j] is a label, i.e. the token x_{j+1} it predicts is one to train on.
+    # label_mask[:, j]: P[j] is a label, i.e. the token x_{j+1} it predicts is one to train on. Distributions and
+    # drafter logits are computed at labels only: prompt tokens and padding would be most of the head's work.
     label_mask = loss_mask[:, 1:].bool()
+    target_probs = target_logits[:, :num_positions][label_mask].float().softmax(dim=-1)
+    label_rows = torch.full(label_mask.shape, -1, dtype=torch.long, device=device)
+    label_rows[label_mask] = torch.arange(len(target_probs), device=device)
     position_ids = torch.arange(num_positions, device=device)[None]
     cache = DynamicCache()
     loss = torch.zeros((), device=device)
@@ -161,6 +164,9 @@ def ttt_loss(
         # Token x_{t+1+step}; positions past the sequence read padding and are never labels.
         tokens = F.pad(input_ids[:, 1 + step :], (0, step))
         features = {"target_hidden_states": target_hidden_states[:, :num_positions]} if step == 0 else {}
+        labels = slice(1 + step, 1 + step + num_labelled)
+        # Drafter position t is counted where its label P[t+1+step] is one.
+        counted = F.pad(label_mask[:, labels], (0, num_positions - num_labelled))
         outputs = drafter(
             tokens,
             draft_hidden_states=hidden_states,
@@ -168,24 +174,21 @@ def ttt_loss(
             position_ids=position_ids + step,
             cache=cache,
             use_cache=True,
+            logits_to_keep=counted,
             **features,
         )
         hidden_states = outputs.prenorm_hidden_states
-        logits = outputs.logits[:, :num_labelled]
-        labels = slice(1 + step, 1 + step + num_labelled)
-        mask = label_mask[:, labels]
-        cross_entropy = F.cross_entropy(
-            logits.float().flatten(0, 1), target_probs[:, labels].flatten(0, 1), reduction="none"
-        ).view(mask.shape)
-        count = mask.sum()
-        step_loss = (cross_entropy * mask).sum() / count.clamp(min=1)
+        rows = label_rows[:, labels][label_mask[:, labels]]
+        cross_entropy = F.cross_entropy(outputs.logits.float(), target_probs[rows], reduction="sum")
+        count = counted.sum()
+        step_loss = cross_entropy / count.clamp(min=1)
         loss = loss + decay**step * step_loss
-        correct = (draft_to_target[logits.argmax(dim=-1)] == target_argmax[:, labels]) & mask
+        correct = draft_to_target[outputs.logits.argmax(dim=-1)] == target_argmax[:, labels][label_mask[:, labels]]
         step_losses.append(step_loss.detach())
         step_correct.append(correct.sum())
         step_counts.append(count)
         if return_logits:
-            step_logits.append(outputs.logits)
+            step_logits.append((counted, outputs.logits))
     return TTTOutput(
         loss=loss,
         step_losses=torch.stack(step_losses),
