@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from .bench_report import save_report, summarize
 from .bench_suites import SUITES, BenchPrompt, load_suite, select_subset
-from .decode import speculative_generate
+from .decode import add_decoding_arguments, encode_prompt, speculative_generate
 
 RESULTS_FORMAT = 1
 
@@ -139,17 +139,6 @@ def steps_from_target_calls(calls, prompt_length: int, final_length: int) -> tup
     accepted = [decided[k + 1] - decided[k] - 1 for k in range(1, len(calls))]
     drafted = [cache + fed - decided[k] for k, (cache, fed, _) in enumerate(calls) if k > 0]
     return accepted, drafted
-
-
-def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> torch.LongTensor:
-    if not chat_template:
-        return tokenizer(text, return_tensors="pt")["input_ids"]
-    if tokenizer.chat_template is None:
-        raise ValueError("The target's tokenizer has no chat template: pass --no-chat-template to feed prompts raw.")
-    messages = [{"role": "user", "content": text}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
-        "input_ids"
-    ]
 
 
 def run_request(target, tokenizer, method: BenchMethod, prompt: BenchPrompt, settings: BenchSettings) -> dict:
@@ -339,11 +328,7 @@ def add_subcommand(subparsers) -> None:
     parser.add_argument("--per-category", type=int, help="seeded sample of N prompts per category (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the subset and sampling")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--num-draft-tokens", type=int, default=5, help="chain length per verification step")
-    parser.add_argument("--do-sample", action="store_true", help="sample (lossless) instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int)
-    parser.add_argument("--top-p", type=float)
+    add_decoding_arguments(parser)
     parser.add_argument("--no-chat-template", action="store_true", help="feed prompts without the chat template")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -200,6 +200,27 @@ def _truncate_after_eos(tokens: torch.LongTensor, eos_ids: torch.Tensor | None) 
     return tokens if len(is_eos) == 0 else tokens[:, : int(is_eos[0]) + 1]
 
 
+def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> torch.LongTensor:
+    """`text` as the user turn of the tokenizer's chat template, ready for generation (or raw, `chat_template=False`)."""
+    if not chat_template:
+        return tokenizer(text, return_tensors="pt")["input_ids"]
+    if tokenizer.chat_template is None:
+        raise ValueError("The target's tokenizer has no chat template: pass --no-chat-template to feed prompts raw.")
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
+
+
+def add_decoding_arguments(parser) -> None:
+    """The chain length and sampling flags `osprey decode` and `osprey bench` share."""
+    parser.add_argument("--num-draft-tokens", type=int, default=5, help="chain length per verification step")
+    parser.add_argument("--do-sample", action="store_true", help="sample (lossless) instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
+
+
 def add_subcommand(subparsers) -> None:
     """Adds `osprey decode` to the CLI (see `osprey.cli`)."""
     parser = subparsers.add_parser(
@@ -209,11 +230,7 @@ def add_subcommand(subparsers) -> None:
     parser.add_argument("--drafter", required=True, help="directory or Hub id of an Osprey drafter")
     parser.add_argument("--prompt", required=True, help="user message (the target's chat template is applied)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--num-draft-tokens", type=int, default=5, help="chain length per verification step")
-    parser.add_argument("--do-sample", action="store_true", help="sample (lossless) instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int)
-    parser.add_argument("--top-p", type=float)
+    add_decoding_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--compare", action="store_true", help="also time plain target decoding, for the speedup")
@@ -230,10 +247,7 @@ def _run_decode(args) -> int:
     drafter = AutoModelForCausalLM.from_pretrained(
         resolve_model_path(args.drafter), dtype=dtype, trust_remote_code=True
     ).eval()
-    messages = [{"role": "user", "content": args.prompt}]
-    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
-        "input_ids"
-    ]
+    input_ids = encode_prompt(tokenizer, args.prompt)
     sampling = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     output, stats = speculative_generate(
         target, drafter, input_ids, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,

@@ -17,7 +17,7 @@ import torch
 from allowlist import ModelCatalog
 from transformers.generation.streamers import BaseStreamer
 
-from osprey.decode import speculative_generate
+from osprey.decode import encode_prompt, speculative_generate
 
 APP_DIR = Path(__file__).resolve().parent
 ACCEPTED, TARGET = "accepted draft", "target token"
@@ -189,14 +189,7 @@ class OspreySpace:
                 f"The prompt has {len(prompt)} characters; this Space takes at most {self.limits.max_prompt_chars}. "
                 "Shorten it."
             )
-        if tokenizer.chat_template:
-            messages = [{"role": "user", "content": prompt}]
-            encoded = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-            )
-        else:
-            encoded = tokenizer(prompt, return_tensors="pt")
-        input_ids = encoded["input_ids"]
+        input_ids = encode_prompt(tokenizer, prompt, chat_template=bool(tokenizer.chat_template))
         if input_ids.shape[1] > self.limits.max_prompt_tokens:
             raise gr.Error(
                 f"The prompt is {input_ids.shape[1]} tokens long; this Space takes at most "
