@@ -21,6 +21,7 @@ SUBCOMMAND_MODULES = (
     "osprey.bench",
     "osprey.export",  # to vLLM / SGLang
     "osprey.hub",  # push
+    "osprey.demo",  # the main job on the packaged drafter
 )
 
 

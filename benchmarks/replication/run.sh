@@ -1,15 +1,30 @@
 #!/usr/bin/env bash
 # The small-scale replication of the paper's table (issue 6 §2): Osprey vs. the body-random (scratch) control vs. an
-# EAGLE-3 drafter, all for Qwen2.5-Coder-1.5B-Instruct, distilled on the same feature cache with the same budget, then
-# benchmarked in one process. Every stage is skipped when its output is complete and resumes when it was killed, so
-# rerun this script until it prints "done". Long stages run for hours on a CPU: start it with nohup.
+# EAGLE-3 drafter for one target, distilled on the same feature cache with the same budget, then benchmarked in one
+# process. Every stage is skipped when its output is complete and resumes when it was killed, so rerun this script
+# until it prints "done". Long stages run for hours on a CPU: start it with nohup.
+#
+#   benchmarks/replication/run.sh [qwen2.5-coder-1.5b-instruct|smollm2-135m-instruct]
+#
+# The three distillations run side by side, one thread each (PARALLEL=0: one after the other, OMP_NUM_THREADS each).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-/work/runs}
 OSPREY=${OSPREY:-.venv/bin/osprey}
-TARGET=qwen2.5-coder-1.5b-instruct
-FEATURES=$RUNS/features-qwen2.5-coder-1.5b-sharegpt
+TARGET=${1:-qwen2.5-coder-1.5b-instruct}
 BACKBONE=$RUNS/pretrain-smollm2-2l  # stage 2: osprey pretrain --config trainers/configs/pretrain-smollm2-2l.yaml
+PARALLEL=${PARALLEL:-1}
+case $TARGET in
+  qwen2.5-coder-1.5b-instruct)  # the primary target: cross-family (SmolLM2 tokenizer -> Qwen2 tokenizer)
+    FEATURES=$RUNS/features-qwen2.5-coder-1.5b-sharegpt; DRAFT_VOCAB=32000; BUDGET=()
+    BENCH=(--baselines target,pld,sps:qwen2.5-coder-0.5b-instruct --dtype bfloat16) ;;
+  smollm2-135m-instruct)  # the second target from the same backbone; a 135M target makes it the cheap pilot
+    FEATURES=$RUNS/features-smollm2-135m-sharegpt; DRAFT_VOCAB=8192; BUDGET=(--max_steps 150 --eval_steps 150)
+    BENCH=(--baselines target,pld --dtype float32) ;;  # float32: every output must equal the target's
+  *) echo "unknown target $TARGET" >&2; exit 2 ;;
+esac
+OUT=$RUNS/replication/$TARGET
+mkdir -p "$OUT"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
@@ -35,23 +50,39 @@ with open(sys.argv[1] + '.partial', 'w') as out:
 " "$VOCAB_CORPUS" && mv "$VOCAB_CORPUS.partial" "$VOCAB_CORPUS"
 fi
 
-OSPREY_DRAFTER=$RUNS/replication/osprey-init
+OSPREY_DRAFTER=$OUT/osprey-init
 [ -f "$OSPREY_DRAFTER/model.safetensors" ] || $OSPREY convert --backbone "$BACKBONE" --target $TARGET \
-  --draft-vocab-size 32000 --draft-vocab-corpus "$VOCAB_CORPUS" --output "$OSPREY_DRAFTER"
-[ -f "$RUNS/replication/scratch-init/model.safetensors" ] || $OSPREY baseline scratch --like "$OSPREY_DRAFTER" \
-  --output "$RUNS/replication/scratch-init"
-[ -f "$RUNS/replication/eagle3-init/model.safetensors" ] || $OSPREY baseline eagle3 --like "$OSPREY_DRAFTER" \
-  --target $TARGET --output "$RUNS/replication/eagle3-init"
+  --draft-vocab-size $DRAFT_VOCAB --draft-vocab-corpus "$VOCAB_CORPUS" --output "$OSPREY_DRAFTER"
+[ -f "$OUT/scratch-init/model.safetensors" ] || $OSPREY baseline scratch --like "$OSPREY_DRAFTER" \
+  --output "$OUT/scratch-init"
+[ -f "$OUT/eagle3-init/model.safetensors" ] || $OSPREY baseline eagle3 --like "$OSPREY_DRAFTER" \
+  --target $TARGET --output "$OUT/eagle3-init"
 
-for drafter in osprey scratch eagle3; do
-  output=$RUNS/replication/$drafter
-  [ -f "$output/model.safetensors" ] && continue
-  resume=()
+distill() {
+  local drafter=$1 output=$OUT/$1 resume=() extra=()
   compgen -G "$output/checkpoint-*" > /dev/null && resume=(--resume_from_checkpoint true)
-  extra=()
   [ $drafter = eagle3 ] && extra=(--freeze_embeddings true)
   log "distill $drafter"
-  $OSPREY distill --config benchmarks/replication/distill-common.yaml --drafter "$RUNS/replication/$drafter-init" \
-    --output_dir "$output" "${extra[@]}" "${resume[@]}" 2>&1 | tee -a "$RUNS/replication/$drafter.log"
+  $OSPREY distill --config benchmarks/replication/distill-common.yaml --feature_cache "$FEATURES" "${BUDGET[@]}" \
+    --drafter "$OUT/$drafter-init" --output_dir "$output" "${extra[@]}" "${resume[@]}" >> "$OUT/$drafter.log" 2>&1
+}
+pids=()
+for drafter in osprey scratch eagle3; do
+  [ -f "$OUT/$drafter/model.safetensors" ] && continue
+  if [ "$PARALLEL" = 1 ]; then
+    OMP_NUM_THREADS=1 distill $drafter & pids+=($!)
+  else
+    distill $drafter
+  fi
 done
-log "done: benchmark with the commands in docs/results.md"
+for pid in "${pids[@]}"; do wait "$pid"; done
+for drafter in osprey scratch eagle3; do
+  [ -f "$OUT/$drafter/model.safetensors" ] || { log "distill $drafter did not finish: see $OUT/$drafter.log"; exit 1; }
+done
+RESULTS=benchmarks/results/replication-$TARGET.json  # resumed if it exists
+log "benchmark -> $RESULTS"
+OMP_NUM_THREADS=2 $OSPREY bench --target $TARGET --drafter osprey="$OUT/osprey" --drafter scratch="$OUT/scratch" \
+  --drafter eagle3="$OUT/eagle3" "${BENCH[@]}" --prompts spec_bench --prompts mt_bench --prompts humaneval \
+  --prompts mmath --per-category ${PER_CATEGORY:-2} --max-new-tokens ${MAX_NEW_TOKENS:-64} --seed 0 \
+  --output "$RESULTS" 2>&1 | tee -a "$OUT/bench.log"
+log "done"

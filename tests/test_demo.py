@@ -1,0 +1,103 @@
+"""`osprey demo`: the compact (int8-row) drafter checkpoint round-trips within its quantization error and still
+decodes losslessly; the packaged drafter is there, small and loadable; the CLI runs end to end and refuses bad input."""
+
+import json
+
+import pytest
+import torch
+from test_bench import models  # noqa: F401 (fixture: a near-copy target and drafter, a char tokenizer)
+from test_decoding import plain_greedy, prompt
+
+from osprey.cli import main
+from osprey.decode import speculative_generate
+from osprey.demo import (
+    COMPACT_WEIGHTS,
+    DEMO_DRAFTER_DIR,
+    DEMO_PROMPTS,
+    load_compact_drafter,
+    pack_compact_drafter,
+)
+
+
+@pytest.fixture
+def packed(models, tmp_path):  # noqa: F811
+    target, drafter, _, tokenizer = models
+    drafter.save_pretrained(tmp_path / "drafter")
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    pack_compact_drafter(tmp_path / "drafter", tmp_path / "packed", target=str(tmp_path / "target"))
+    return target, drafter, tmp_path
+
+
+def test_compact_checkpoint_round_trips_within_int8_row_error(packed):
+    _, drafter, tmp_path = packed
+    restored = load_compact_drafter(tmp_path / "packed")
+    assert restored.config.to_dict() == drafter.config.to_dict()
+    original = drafter.state_dict()
+    quantized = 0
+    for name, tensor in restored.state_dict().items():
+        reference = original[name]
+        if reference.is_floating_point() and reference.dim() == 2:
+            row_step = reference.abs().amax(dim=1, keepdim=True) / 127
+            assert ((tensor - reference).abs() <= row_step / 2 + 1e-7).all(), name
+            quantized += not torch.equal(tensor, reference)
+        else:
+            assert torch.equal(tensor, reference), name
+    assert quantized >= 2  # really quantized: the embedding and the LM head at least
+
+
+def test_dequantized_drafter_decodes_losslessly(packed):
+    target, _, tmp_path = packed
+    drafter = load_compact_drafter(tmp_path / "packed")
+    input_ids = prompt(9, 1)
+    output, stats = speculative_generate(target, drafter, input_ids, max_new_tokens=30)
+    assert torch.equal(output, plain_greedy(target, input_ids, 30))
+    assert sum(stats.accepted_per_step) > 0
+
+
+def test_demo_cli_runs_target_and_drafter_on_the_demo_prompts(packed, tmp_path, capsys):
+    output = tmp_path / "demo" / "results.json"
+    assert main(["demo", "--drafter", str(tmp_path / "packed"), "--max-new-tokens", "6", "--output", str(output)]) == 0
+    results = json.loads(output.read_text())
+    assert {row["method"] for row in results["requests"]} == {"target", "osprey"}
+    assert {row["prompt_id"] for row in results["requests"]} == {p.prompt_id for p in DEMO_PROMPTS}
+    printed = capsys.readouterr().out
+    assert "| osprey |" in printed and "| target |" in printed
+
+
+def test_demo_refuses_bad_input(packed, tmp_path, capsys):
+    target, drafter, _ = packed
+    with pytest.raises(ValueError, match="osprey demo --pack"):
+        load_compact_drafter(tmp_path / "drafter")  # a regular drafter directory
+    assert main(["demo", "--pack", str(tmp_path / "drafter"), "--output", str(tmp_path / "again")]) == 2
+    assert "--target" in capsys.readouterr().err
+    assert main(["demo", "--pack", str(tmp_path / "drafter"), "--output", str(tmp_path / "packed"),
+                 "--target", "x"]) == 2  # fmt: skip
+    assert "not an empty directory" in capsys.readouterr().err  # nothing saved is overwritten
+    (tmp_path / "packed" / "demo.json").unlink()
+    assert main(["demo", "--drafter", str(tmp_path / "packed")]) == 2
+    assert "--target" in capsys.readouterr().err
+
+
+def test_packaged_drafter_is_small_and_loads():
+    files = {path.name: path.stat().st_size for path in DEMO_DRAFTER_DIR.iterdir()}
+    assert COMPACT_WEIGHTS in files and "demo.json" in files and "README.md" in files
+    assert sum(files.values()) <= 50 * 2**20
+    drafter = load_compact_drafter()
+    target = json.loads((DEMO_DRAFTER_DIR / "demo.json").read_text())["target"]
+    assert target == "smollm2-135m-instruct" and drafter.config.vocab_size == 49152
+    assert drafter.config.draft_vocab_size < drafter.config.vocab_size
+
+
+@pytest.mark.network
+def test_packaged_drafter_drafts_for_the_real_target(smollm2_cache, monkeypatch, tmp_path):
+    """`osprey demo` as the README runs it: the real SmolLM2 target, float32, so every output must equal the
+    target's own, and the packaged drafter's drafts are accepted."""
+    monkeypatch.setenv("OSPREY_HOME", str(smollm2_cache))
+    output = tmp_path / "demo.json"
+    assert main(["demo", "--max-new-tokens", "24", "--output", str(output)]) == 0
+    results = json.loads(output.read_text())
+    outputs = {(row["method"], row["prompt_id"]): row["output_sha256"] for row in results["requests"]}
+    assert all(outputs["osprey", p.prompt_id] == outputs["target", p.prompt_id] for p in DEMO_PROMPTS)
+    overall = next(r for r in results["records"] if r["method"] == "osprey" and r["category"] == "overall")
+    assert overall["tau"] > 1.05, overall  # measured: 1.18 at 96 new tokens
