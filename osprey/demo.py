@@ -57,7 +57,7 @@ def pack_compact_drafter(drafter_dir: str | os.PathLike, output_dir: str | os.Pa
         else:
             tensors[name] = tensor.contiguous()
     save_file(tensors, output_dir / COMPACT_WEIGHTS, metadata={"format": "osprey-int8-rows"})
-    drafter.config.save_pretrained(output_dir)
+    drafter.config.to_json_file(output_dir / "config.json")  # JSON only: the package provides OspreyConfig
     drafter.generation_config.save_pretrained(output_dir)
     (output_dir / "demo.json").write_text(json.dumps({"target": target}, indent=1) + "\n")
     for name in ("alignment_report.json", "trainer_state.json"):

@@ -148,7 +148,6 @@ def step_costs(name: str, device, context: int, repeats: int) -> dict:
             "per_draft_step_ms": chain_ms / 5,
             "per_draft_step_over_target_forward": chain_ms / 5 / result["target_forward_6_ms"],
         }
-        del drafter
     return result
 
 
