@@ -74,6 +74,7 @@ def draft_chain(
     do_sample: bool = False,
     eos_token_ids: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    confidence_threshold: float = 0.0,
 ) -> tuple[torch.LongTensor, torch.Tensor]:
     """Drafts up to `num_draft_tokens` tokens following `input_ids` (batch 1), one drafter step each.
 
@@ -82,6 +83,10 @@ def draft_chain(
         new_target_features: the target's tap features for positions `state.num_verified_positions .. N - 2`
             (`N = input_ids.shape[1]`); trailing extra positions (from rejected drafts) are ignored.
         eos_token_ids: drafting stops after proposing one of these.
+        confidence_threshold: drafting also stops after a token the drafter gave a probability below this (the
+            semantics of transformers' `assistant_confidence_threshold`): later drafts would rarely be accepted, and
+            each costs a drafter step. 0 drafts the full chain. Lossless either way: the stop depends on the drafter
+            alone.
 
     Returns:
         The draft token ids `(1, k)` in the target vocabulary (`1 <= k <= num_draft_tokens`) and the processed
@@ -105,8 +110,9 @@ def draft_chain(
     )
     state.num_verified_positions = sequence_length - 1
     return _continue_chain(
-        drafter, outputs, state.cache, input_ids, num_draft_tokens, logits_processor, do_sample, eos_token_ids, generator
-    )
+        drafter, outputs, state.cache, input_ids, num_draft_tokens, logits_processor, do_sample, eos_token_ids,
+        generator, confidence_threshold,
+    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -130,8 +136,9 @@ def draft_without_target_features(
 
 
 def _continue_chain(
-    drafter, outputs, cache, input_ids, num_draft_tokens, logits_processor, do_sample, eos_token_ids, generator
-):
+    drafter, outputs, cache, input_ids, num_draft_tokens, logits_processor, do_sample, eos_token_ids, generator,
+    confidence_threshold,
+):  # fmt: skip
     sequence, draft_ids, draft_scores = input_ids, [], []
     for step in range(num_draft_tokens):
         token, scores = choose_draft_token(
@@ -141,7 +148,8 @@ def _continue_chain(
         draft_ids.append(token)
         draft_scores.append(scores)
         is_eos = eos_token_ids is not None and bool(torch.isin(token, eos_token_ids).any())
-        if is_eos or step == num_draft_tokens - 1:
+        is_unsure = confidence_threshold > 0 and scores.softmax(dim=-1).gather(-1, token).item() < confidence_threshold
+        if is_eos or is_unsure or step == num_draft_tokens - 1:
             break
         outputs = drafter(
             token,
@@ -226,6 +234,7 @@ class OspreyAssistantMixin:
                 "`osprey.decode.speculative_generate` per prompt."
             )
         generation_config = generation_config or self.generation_config
+        confidence_threshold = generation_config.assistant_confidence_threshold or 0.0
         logits_processor = LogitsProcessorList(logits_processor or [])  # transformers passes a plain list
         num_draft_tokens = max_new_tokens or generation_config.num_assistant_tokens
         eos_token_ids = generation_config.eos_token_id
@@ -247,6 +256,7 @@ class OspreyAssistantMixin:
                 logits_processor,
                 generation_config.do_sample,
                 eos_token_ids,
+                confidence_threshold=confidence_threshold,
             )
         self._target_capture.clear()
         return GenerateDecoderOnlyOutput(

@@ -353,7 +353,8 @@ class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationM
     ```
 
     The target calls the drafter's `generate` before each verification step; it drafts a chain of
-    `generation_config.num_assistant_tokens` tokens from the target features the hooks captured.
+    `generation_config.num_assistant_tokens` tokens from the target features the hooks captured, stopping early after
+    a draft whose probability is below `generation_config.assistant_confidence_threshold` (0: never).
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -363,9 +364,11 @@ class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationM
         self.model = OspreyModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.draft_to_target = nn.Buffer(torch.arange(config.draft_vocab_size), persistent=True)
-        # The paper drafts chains of 5 tokens; transformers' default (20, growing) wastes drafter steps.
+        # The paper drafts full chains of 5 tokens; transformers' default (20, growing) wastes drafter steps. A
+        # threshold above 0 (transformers' default for assistants: 0.4) stops a chain at the first unsure draft.
         self.generation_config.num_assistant_tokens = 5
         self.generation_config.num_assistant_tokens_schedule = "constant"
+        self.generation_config.assistant_confidence_threshold = 0.0
         self._target_capture = None
         self._draft_state = None
         self.post_init()

@@ -38,6 +38,7 @@ class BenchSettings:
 
     max_new_tokens: int = 128
     num_draft_tokens: int = 5
+    confidence_threshold: float = 0.0
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int | None = None
@@ -63,16 +64,17 @@ class BenchMethod:
             generator = torch.Generator(device=input_ids.device).manual_seed(request_seed)
             return speculative_generate(
                 target, self.drafter, input_ids, max_new_tokens=settings.max_new_tokens,
-                num_draft_tokens=settings.num_draft_tokens, do_sample=settings.do_sample,
+                num_draft_tokens=settings.num_draft_tokens, confidence_threshold=settings.confidence_threshold,
+                do_sample=settings.do_sample,
                 temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
                 eos_token_id=eos_token_id, generator=generator,
             )  # fmt: skip
         torch.manual_seed(request_seed)
         extra = {}
-        if self.assistant is not None:  # classic SpS: a fixed chain of `num_draft_tokens`, no early stopping
+        if self.assistant is not None:  # SpS: chains of `num_draft_tokens`, stopping early exactly as the drafters do
             self.assistant.generation_config.num_assistant_tokens = settings.num_draft_tokens
             self.assistant.generation_config.num_assistant_tokens_schedule = "constant"
-            self.assistant.generation_config.assistant_confidence_threshold = 0.0
+            self.assistant.generation_config.assistant_confidence_threshold = settings.confidence_threshold
             extra["assistant_model"] = self.assistant
         if self.prompt_lookup_num_tokens is not None:
             extra["prompt_lookup_num_tokens"] = self.prompt_lookup_num_tokens
@@ -185,6 +187,7 @@ def _start_results(target_name: str, settings: BenchSettings, methods, output_pa
     if output_path is None or not output_path.exists():
         return fresh
     saved = json.loads(output_path.read_text())
+    saved["settings"] = asdict(BenchSettings()) | saved.get("settings", {})  # settings added since keep their default
     for key in ("format", "target", "settings"):
         if saved.get(key) != fresh[key]:
             raise ValueError(
@@ -346,7 +349,8 @@ def _run_bench(args) -> int:
         for prompt in select_subset(load_suite(suite, args.data_dir), args.per_category, args.seed)
     ]
     settings = BenchSettings(
-        max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens, do_sample=args.do_sample,
+        max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+        confidence_threshold=args.confidence_threshold, do_sample=args.do_sample,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         chat_template=not args.no_chat_template,
     )  # fmt: skip

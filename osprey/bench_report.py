@@ -93,9 +93,11 @@ def markdown_table(results: dict) -> str:
         if settings["do_sample"]
         else "greedy"
     )
+    threshold = settings.get("confidence_threshold", 0.0)
+    early_stop = f" (a chain stops after a draft of probability < {threshold})" if threshold else ""
     lines = [
         f"Target `{results['target']}`, {decoding}, up to {settings['max_new_tokens']} new tokens, "
-        f"{settings['num_draft_tokens']} draft tokens per step. Methods: "
+        f"{settings['num_draft_tokens']} draft tokens per step{early_stop}. Methods: "
         + ", ".join(f"`{name}` = {spec}" for name, spec in results["methods"].items())
         + "."
     ]

@@ -190,6 +190,7 @@ def convert(
     drafter.generation_config = GenerationConfig(
         num_assistant_tokens=NUM_ASSISTANT_TOKENS,
         num_assistant_tokens_schedule="constant",
+        assistant_confidence_threshold=0.0,
         bos_token_id=config.bos_token_id,
         eos_token_id=merged_eos_token_ids(config.eos_token_id, end_of_turn_token_ids(target_preset, target_tokenizer)),
         pad_token_id=config.pad_token_id,

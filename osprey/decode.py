@@ -93,6 +93,7 @@ def speculative_generate(
     input_ids: torch.LongTensor,
     max_new_tokens: int = 128,
     num_draft_tokens: int = 5,
+    confidence_threshold: float = 0.0,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int | None = None,
@@ -102,7 +103,8 @@ def speculative_generate(
     on_tokens: Callable[[torch.LongTensor, int | None], None] | None = None,
 ) -> tuple[torch.LongTensor, SpeculativeStats]:
     """Generates up to `max_new_tokens` after `input_ids` (batch 1) with `drafter` proposing chains of
-    `num_draft_tokens` and `target` verifying them; returns the full sequence and the request's statistics.
+    `num_draft_tokens` and `target` verifying them; returns the full sequence and the request's statistics. A chain
+    stops early after a draft the drafter gave a probability below `confidence_threshold` (0: full chains).
 
     `on_tokens(tokens, accepted)` streams the output as it is decided, for demos: it is called with the prefill's
     token (`accepted=None`), then once per verification step with the tokens that step emitted, `tokens[:, :accepted]`
@@ -133,8 +135,9 @@ def speculative_generate(
             budget = min(num_draft_tokens, max_new_tokens - stats.new_tokens - 1)
             if budget > 0:
                 drafts, draft_scores = draft_chain(
-                    drafter, state, sequence, features, budget, processors, do_sample, eos_ids, generator
-                )
+                    drafter, state, sequence, features, budget, processors, do_sample, eos_ids, generator,
+                    confidence_threshold,
+                )  # fmt: skip
             else:  # room for one token only: the target's own
                 drafts, draft_scores = sequence.new_empty(1, 0), None
             verify_input = torch.cat([sequence[:, -1:], drafts], dim=-1)
@@ -215,6 +218,10 @@ def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> torch.Lon
 def add_decoding_arguments(parser) -> None:
     """The chain length and sampling flags `osprey decode` and `osprey bench` share."""
     parser.add_argument("--num-draft-tokens", type=int, default=5, help="chain length per verification step")
+    parser.add_argument(
+        "--confidence-threshold", type=float, default=0.0,
+        help="stop a chain after a draft the drafter gives a probability below this (0: full chains, the paper's)",
+    )  # fmt: skip
     parser.add_argument("--do-sample", action="store_true", help="sample (lossless) instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int)
@@ -251,8 +258,8 @@ def _run_decode(args) -> int:
     sampling = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     output, stats = speculative_generate(
         target, drafter, input_ids, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
-        eos_token_id=target.generation_config.eos_token_id, generator=torch.Generator().manual_seed(args.seed),
-        **sampling,
+        confidence_threshold=args.confidence_threshold, eos_token_id=target.generation_config.eos_token_id,
+        generator=torch.Generator().manual_seed(args.seed), **sampling,
     )  # fmt: skip
     print(tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True))
     report = stats.to_dict()

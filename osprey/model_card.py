@@ -225,13 +225,16 @@ def _is_notice(name: str) -> bool:
 
 
 def drafter_generation_config(folder: Path, config: dict) -> str:
-    """The folder's generation config, drafting `NUM_ASSISTANT_TOKENS` per step unless it sets its own number
-    (transformers' default of 20 growing drafts wastes drafter steps)."""
+    """The folder's generation config, drafting full chains of `NUM_ASSISTANT_TOKENS` per step unless it sets its own
+    number (transformers' default of 20 growing drafts wastes drafter steps)."""
     settings = read_json(folder / "generation_config.json") or {
         key: config.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")
     }
     if "num_assistant_tokens" not in settings:
-        settings.update(num_assistant_tokens=NUM_ASSISTANT_TOKENS, num_assistant_tokens_schedule="constant")
+        settings.update(
+            num_assistant_tokens=NUM_ASSISTANT_TOKENS, num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0,
+        )  # fmt: skip
     return json.dumps(settings, indent=2, sort_keys=True) + "\n"
 
 

@@ -150,6 +150,34 @@ def test_a_resumed_run_skips_done_requests_and_ends_like_an_uninterrupted_one(mo
     assert output.read_bytes() == saved
 
 
+def test_confidence_threshold_shortens_the_chains_of_drafters_and_sps_alike(models):
+    target, drafter, assistant, tokenizer = models
+    drafted = {}
+    for threshold in (0.0, 0.08):  # the near-copy pair's draft probabilities span 0.004-0.4
+        settings = BenchSettings(max_new_tokens=16, confidence_threshold=threshold)
+        results = run_benchmark(
+            target, tokenizer, all_methods(drafter, assistant), PROMPTS, settings, warmup=False, progress=False
+        )
+        assert all(record["same_output_as_target"] == 1 for record in results["records"])
+        for method in ("osprey", "sps"):
+            steps = [n for row in results["requests"] if row["method"] == method for n in row["drafted_per_step"]]
+            drafted[method, threshold] = sum(steps) / len(steps)  # mean chain length
+    assert drafted["osprey", 0.08] < drafted["osprey", 0.0]
+    assert drafted["sps", 0.08] < drafted["sps", 0.0]
+
+
+def test_results_saved_before_a_setting_existed_resume_with_its_default(models, tmp_path):
+    target, drafter, _, tokenizer = models
+    methods, output = all_methods(drafter, None)[:2], tmp_path / "old.json"
+    options = {"output_path": output, "warmup": False, "progress": False}
+    run_benchmark(target, tokenizer, methods, PROMPTS[:1], SETTINGS, **options)
+    saved = json.loads(output.read_text())
+    del saved["settings"]["confidence_threshold"]  # as written before the setting was added
+    output.write_text(json.dumps(saved))
+    resumed = run_benchmark(target, tokenizer, methods, PROMPTS, SETTINGS, **options)
+    assert len(resumed["requests"]) == 2 * len(PROMPTS) and resumed["settings"]["confidence_threshold"] == 0.0
+
+
 def _write_jsonl(path, records):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))

@@ -275,12 +275,13 @@ def test_detach_removes_the_hooks():
     assert all(not layer._forward_hooks for layer in target.model.layers)
 
 
-def test_saved_drafter_drafts_five_tokens_by_default(tmp_path):
+def test_saved_drafter_drafts_full_chains_of_five_tokens_by_default(tmp_path):
     target = make_tiny_target("llama")
     random_drafter(target).save_pretrained(tmp_path)
     reloaded = OspreyForDrafting.from_pretrained(tmp_path)
     assert reloaded.generation_config.num_assistant_tokens == 5
     assert reloaded.generation_config.num_assistant_tokens_schedule == "constant"
+    assert reloaded.generation_config.assistant_confidence_threshold == 0.0  # full chains, not transformers' 0.4
 
 
 def test_target_with_unrollbackable_state_is_refused():
@@ -310,3 +311,47 @@ def test_streamed_tokens_rebuild_the_output_and_mark_accepted_drafts():
     assert [accepted for _, accepted in streamed[1:]] == stats.accepted_per_step
     assert torch.equal(torch.cat([input_ids] + [tokens for tokens, _ in streamed], dim=-1), output)
     assert all(tokens.shape[1] <= accepted + 1 for tokens, accepted in streamed[1:])
+
+
+# --- early stopping ------------------------------------------------------------------------------------------------
+
+
+def record_chains(monkeypatch) -> list[tuple[list[float], int]]:
+    """Records, for every chain drafted, each draft's probability under the drafter and the chain's length budget."""
+    chains, draft = [], generation_osprey._continue_chain
+
+    def recording(drafter, outputs, cache, input_ids, num_draft_tokens, *args):
+        draft_ids, scores = draft(drafter, outputs, cache, input_ids, num_draft_tokens, *args)
+        probabilities = scores.softmax(dim=-1)[0].gather(-1, draft_ids[0][:, None])[:, 0]
+        chains.append((probabilities.tolist(), num_draft_tokens))
+        return draft_ids, scores
+
+    monkeypatch.setattr(generation_osprey, "_continue_chain", recording)
+    return chains
+
+
+@pytest.mark.parametrize("route", ["assisted_generate", "standalone"])
+def test_confidence_threshold_ends_chains_at_the_first_unsure_draft_and_stays_exact(route, monkeypatch):
+    target, drafter = near_copy_pair("llama")
+    threshold, input_ids = 0.08, prompt(9, 1)  # the near-copy drafter's draft probabilities span 0.004-0.4
+    chains = record_chains(monkeypatch)
+    if route == "assisted_generate":
+        drafter.generation_config.assistant_confidence_threshold = threshold
+        drafter.attach_target(target)
+        output = assisted_greedy(target, drafter, input_ids, 60)
+    else:
+        output, _ = speculative_generate(target, drafter, input_ids, max_new_tokens=60, confidence_threshold=threshold)
+    assert torch.equal(output, plain_greedy(target, input_ids, 60))
+    for probabilities, budget in chains:
+        assert all(p >= threshold for p in probabilities[:-1]), "a chain went on past an unsure draft"
+        assert probabilities[-1] < threshold or len(probabilities) == budget, "a chain stopped while sure"
+    stopped_early = [len(probabilities) < budget for probabilities, budget in chains]
+    assert any(stopped_early) and not all(stopped_early), "the threshold should end some chains early, not all"
+
+
+def test_zero_confidence_threshold_drafts_full_chains(monkeypatch):
+    target, drafter = near_copy_pair("llama")
+    chains = record_chains(monkeypatch)
+    speculative_generate(target, drafter, prompt(9, 1), max_new_tokens=60)
+    assert all(len(probabilities) == budget for probabilities, budget in chains)
+    assert min(min(probabilities) for probabilities, _ in chains) < 0.08  # unsure drafts were there to stop at

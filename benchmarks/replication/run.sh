@@ -16,10 +16,10 @@ BACKBONE=$RUNS/pretrain-smollm2-2l  # stage 2: osprey pretrain --config trainers
 PARALLEL=${PARALLEL:-1}
 case $TARGET in
   qwen2.5-coder-1.5b-instruct)  # the primary target: cross-family (SmolLM2 tokenizer -> Qwen2 tokenizer)
-    FEATURES=$RUNS/features-qwen2.5-coder-1.5b-sharegpt; DRAFT_VOCAB=32000; BUDGET=()
+    FEATURES=$RUNS/features-qwen2.5-coder-1.5b-sharegpt; DRAFT_VOCAB=32000
     BENCH=(--baselines target,pld,sps:qwen2.5-coder-0.5b-instruct --dtype bfloat16) ;;
   smollm2-135m-instruct)  # the second target from the same backbone; a 135M target makes it the cheap pilot
-    FEATURES=$RUNS/features-smollm2-135m-sharegpt; DRAFT_VOCAB=8192; BUDGET=(--max_steps 150 --eval_steps 150)
+    FEATURES=$RUNS/features-smollm2-135m-sharegpt; DRAFT_VOCAB=8192
     BENCH=(--baselines target,pld --dtype float32) ;;  # float32: every output must equal the target's
   *) echo "unknown target $TARGET" >&2; exit 2 ;;
 esac
@@ -63,7 +63,7 @@ distill() {
   compgen -G "$output/checkpoint-*" > /dev/null && resume=(--resume_from_checkpoint true)
   [ $drafter = eagle3 ] && extra=(--freeze_embeddings true)
   log "distill $drafter"
-  $OSPREY distill --config benchmarks/replication/distill-common.yaml --feature_cache "$FEATURES" "${BUDGET[@]}" \
+  $OSPREY distill --config benchmarks/replication/distill-common.yaml --feature_cache "$FEATURES" \
     --drafter "$OUT/$drafter-init" --output_dir "$output" "${extra[@]}" "${resume[@]}" >> "$OUT/$drafter.log" 2>&1
 }
 pids=()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Does a faster-moving feature path help the Osprey drafter read the target's taps within the pilot's budget? (issue 6)
+# At init the q/k/v feature half is zero, so the feature RMSNorm weight does not change the function; with Adam it
+# scales how fast that half moves (each update is ~lr in weight, times the norm's output in activation). Two runs
+# from the pilot's converted drafter with layer 0's `hidden_norm.weight` multiplied by 8 and by 32, distilled exactly
+# like the pilot (benchmarks/replication/distill-common.yaml on the SmolLM2 feature cache, 150 steps). Compare the
+# held-out eval_ttt_loss_k / eval_ttt_acc_k with the pilot's Osprey run. Results:
+# benchmarks/results/ablation-feature-scale.json, docs/results.md.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+RUNS=${RUNS:-/work/runs}
+PILOT=$RUNS/replication/smollm2-135m-instruct  # benchmarks/replication/run.sh smollm2-135m-instruct
+OUT=$RUNS/feature-scale
+mkdir -p "$OUT"
+for scale in 8 32; do
+  init=$OUT/osprey-init-x$scale run=$OUT/osprey-x$scale
+  if [ ! -f "$init/model.safetensors" ]; then
+    rm -rf "$init.partial" && cp -r "$PILOT/osprey-init" "$init.partial"
+    .venv/bin/python - "$init.partial/model.safetensors" "$scale" <<'PY'
+import sys
+from safetensors.torch import load_file, save_file
+path, scale = sys.argv[1], float(sys.argv[2])
+weights = load_file(path)
+weights["model.layers.0.hidden_norm.weight"] *= scale
+save_file(weights, path, metadata={"format": "pt"})
+PY
+    mv "$init.partial" "$init"
+  fi
+  [ -f "$run/model.safetensors" ] && continue
+  resume=()
+  compgen -G "$run/checkpoint-*" > /dev/null && resume=(--resume_from_checkpoint true)
+  OMP_NUM_THREADS=1 .venv/bin/osprey distill --config benchmarks/replication/distill-common.yaml \
+    --feature_cache "$RUNS/features-smollm2-135m-sharegpt" --drafter "$init" --output_dir "$run" "${resume[@]}" \
+    >> "$run.log" 2>&1 &
+done
+wait
