@@ -4,8 +4,8 @@
 # scales how fast that half moves (each update is ~lr in weight, times the norm's output in activation). Two runs
 # from the pilot's converted drafter with layer 0's `hidden_norm.weight` multiplied by 8 and by 32, distilled exactly
 # like the pilot (benchmarks/replication/distill-common.yaml on the SmolLM2 feature cache, 150 steps). Compare the
-# held-out eval_ttt_loss_k / eval_ttt_acc_k with the pilot's Osprey run. Results:
-# benchmarks/results/ablation-feature-scale.json, docs/results.md.
+# held-out eval_ttt_loss_k / eval_ttt_acc_k with the pilot's Osprey run; the script writes the three runs' final
+# held-out metrics to benchmarks/results/ablation-feature-scale.json (docs/results.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-/work/runs}
@@ -34,3 +34,23 @@ PY
     >> "$run.log" 2>&1 &
 done
 wait
+.venv/bin/python - "$PILOT/osprey" "$OUT" benchmarks/results/ablation-feature-scale.json <<'PY'
+import json, sys
+pilot, out, results = sys.argv[1:]
+runs = {"pilot (x1)": pilot, "x8": f"{out}/osprey-x8", "x32": f"{out}/osprey-x32"}
+report = {
+    "command": "benchmarks/ablations/feature_scale.sh",
+    "budget": "150 steps x 4 ShareGPT conversations (<=1024 tokens), benchmarks/replication/distill-common.yaml",
+    "eval": "ShareGPT test split, 172 conversations, SmolLM2-135M-Instruct feature cache",
+    "runs": {},
+}
+for name, run in runs.items():
+    with open(f"{run}/trainer_state.json") as file:
+        final_eval = [entry for entry in json.load(file)["log_history"] if "eval_loss" in entry][-1]
+    report["runs"][name] = {
+        key: round(value, 4) for key, value in final_eval.items()
+        if key.startswith("eval_ttt") or key in ("eval_loss", "step")
+    }
+with open(results, "w") as file:
+    json.dump(report, file, indent=1)
+PY

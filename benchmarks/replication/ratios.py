@@ -1,5 +1,7 @@
 """The replication's headline ratios from an `osprey bench` results JSON: Osprey's mean acceptance length τ over each
-control's, overall, on non-English prompts and on prompts out of the distillation data's domain (chat).
+control's, overall, on non-English prompts and on prompts out of the distillation data's domain (chat); then, per
+method over all requests, the speedup from summed tokens and time, the mean chain length and the cost of a draft
+token and of a verification step.
 
     python benchmarks/replication/ratios.py benchmarks/results/replication-smollm2-135m-instruct.json
 
@@ -48,6 +50,46 @@ def ratios(results: dict, drafter: str = "osprey", controls=("scratch", "eagle3"
     return table
 
 
+def costs(results: dict) -> dict:
+    """Per method, over all its requests: speedup = summed tokens / summed wall time over the target alone's (when
+    a `target` method ran), mean drafts per verification step, ms per draft token and per verification step (from the
+    bench's time split), and how many outputs equal the target's."""
+    target_hashes = {
+        (row["suite"], row["category"], row["prompt_id"]): row["output_sha256"]
+        for row in results["requests"]
+        if row["method"] == "target"
+    }
+    totals: dict[str, dict] = {}
+    for row in results["requests"]:
+        total = totals.setdefault(row["method"], dict.fromkeys(
+            ("tokens", "seconds", "drafted", "steps", "draft_s", "verify_s", "same", "requests"), 0
+        ))  # fmt: skip
+        total["tokens"] += row["new_tokens"]
+        total["seconds"] += row["wall_time_s"]
+        total["drafted"] += sum(row["drafted_per_step"])
+        total["steps"] += len(row["drafted_per_step"])
+        total["draft_s"] += row["time_split_s"]["draft"]
+        total["verify_s"] += row["time_split_s"]["verify"]
+        total["same"] += target_hashes.get((row["suite"], row["category"], row["prompt_id"])) == row["output_sha256"]
+        total["requests"] += 1
+    baseline = totals.get("target")
+    table = {}
+    for method, total in totals.items():
+        tokens_per_s = total["tokens"] / total["seconds"]
+        table[method] = {
+            "speedup": tokens_per_s / (baseline["tokens"] / baseline["seconds"]) if baseline else None,
+            "mean_drafts_per_step": total["drafted"] / total["steps"] if total["steps"] else 0.0,
+            "draft_ms_per_token": 1000 * total["draft_s"] / total["drafted"] if total["drafted"] else None,
+            "verify_ms_per_step": 1000 * total["verify_s"] / total["steps"] if total["steps"] else None,
+            "same_output_as_target": f"{total['same']} / {total['requests']}" if target_hashes else None,
+        }
+    return table
+
+
+def _cell(value, pattern: str) -> str:
+    return "–" if value is None else pattern.format(value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results")
@@ -55,7 +97,8 @@ def main() -> None:
     parser.add_argument("--controls", nargs="+", default=["scratch", "eagle3"])
     args = parser.parse_args()
     with open(args.results) as file:
-        table = ratios(json.load(file), args.drafter, tuple(args.controls))
+        results = json.load(file)
+    table = ratios(results, args.drafter, tuple(args.controls))
     methods = [args.drafter, *args.controls]
     print("| group | prompts | " + " | ".join(f"τ {m}" for m in methods) + " | "
           + " | ".join(f"{args.drafter} / {c}" for c in args.controls) + " |")  # fmt: skip
@@ -64,6 +107,17 @@ def main() -> None:
         cells = [f"{entry['tau'].get(m, float('nan')):.2f}" for m in methods]
         cells += [f"{entry.get(f'{args.drafter}/{c}', float('nan')):.2f}x" for c in args.controls]
         print(f"| {group} | {entry['num_prompts']} | " + " | ".join(cells) + " |")
+    print()
+    print("| method | speedup (summed tokens and time) | drafts per step | ms per draft token | ms per verify step "
+          "| output = target |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|")
+    for method, entry in costs(results).items():
+        cells = [
+            _cell(entry["speedup"], "{:.2f}x"), f"{entry['mean_drafts_per_step']:.2f}",
+            _cell(entry["draft_ms_per_token"], "{:.1f}"), _cell(entry["verify_ms_per_step"], "{:.1f}"),
+            _cell(entry["same_output_as_target"], "{}"),
+        ]  # fmt: skip
+        print(f"| {method} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
