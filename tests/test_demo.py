@@ -12,6 +12,7 @@ from osprey.cli import main
 from osprey.decode import speculative_generate
 from osprey.demo import (
     COMPACT_WEIGHTS,
+    DEMO_CONFIDENCE_THRESHOLD,
     DEMO_DRAFTER_DIR,
     DEMO_PROMPTS,
     load_compact_drafter,
@@ -59,6 +60,7 @@ def test_demo_cli_runs_target_and_drafter_on_the_demo_prompts(packed, tmp_path, 
     output = tmp_path / "demo" / "results.json"
     assert main(["demo", "--drafter", str(tmp_path / "packed"), "--max-new-tokens", "6", "--output", str(output)]) == 0
     results = json.loads(output.read_text())
+    assert results["settings"]["confidence_threshold"] == DEMO_CONFIDENCE_THRESHOLD > 0  # the demo stops early
     assert {row["method"] for row in results["requests"]} == {"target", "osprey"}
     assert {row["prompt_id"] for row in results["requests"]} == {p.prompt_id for p in DEMO_PROMPTS}
     printed = capsys.readouterr().out
