@@ -53,7 +53,8 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
     first_target = catalog.target_names()[0]
     request = {
         "prompt": "", "target_name": first_target, "drafter_name": catalog.drafter_names(first_target)[0],
-        "num_draft_tokens": 5, "temperature": 0.0, "max_new_tokens": min(128, limits.max_new_tokens),
+        "num_draft_tokens": 5, "confidence_threshold": 0.0, "temperature": 0.0,
+        "max_new_tokens": min(128, limits.max_new_tokens),
     }  # fmt: skip
     results = dict.fromkeys(OUTPUT_NAMES)
     if prefill:
@@ -83,6 +84,10 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
                 num_draft_tokens = gr.Slider(
                     1, limits.max_draft_tokens, value=request["num_draft_tokens"], step=1, label="Draft length"
                 )
+                confidence_threshold = gr.Slider(
+                    0, 0.9, value=request["confidence_threshold"], step=0.05,
+                    label="Early stop: end a chain after a draft below this probability (0 = full chains)",
+                )  # fmt: skip
                 temperature = gr.Slider(
                     0, limits.max_temperature, value=request["temperature"], step=0.05, label="Temperature (0 = greedy)"
                 )
@@ -109,7 +114,7 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
         benchmark_note = gr.Markdown()
 
         target.change(space.drafter_choices, target, drafter, api_name=False)
-        inputs = [prompt, target, drafter, num_draft_tokens, temperature, max_new_tokens]
+        inputs = [prompt, target, drafter, num_draft_tokens, temperature, max_new_tokens, confidence_threshold]
         # One generation at a time: timings are only honest without other requests competing for the hardware.
         gr.on([run.click, prompt.submit], space.generate, inputs, [osprey_output, target_output, *stats],
               api_name="generate", concurrency_limit=1)  # fmt: skip

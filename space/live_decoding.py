@@ -133,15 +133,18 @@ class OspreySpace:
         names = self._checked(self.catalog.drafter_names, target_name)
         return gr.Dropdown(choices=names, value=names[0])
 
-    def generate(self, prompt, target_name, drafter_name, num_draft_tokens, temperature, max_new_tokens):
+    def generate(
+        self, prompt, target_name, drafter_name, num_draft_tokens, temperature, max_new_tokens, confidence_threshold=0.0
+    ):
         """Streams the outputs in `OUTPUT_NAMES` order: Osprey's run step by step, then the target alone. The
         statistics are strings, blank until known, as a Number box would show a misleading 0."""
         num_draft_tokens, max_new_tokens, temperature = int(num_draft_tokens), int(max_new_tokens), float(temperature)
-        self._check_settings(num_draft_tokens, temperature, max_new_tokens)
+        confidence_threshold = float(confidence_threshold)
+        self._check_settings(num_draft_tokens, temperature, max_new_tokens, confidence_threshold)
         target, tokenizer, drafter = self._checked(self.catalog.load, target_name, drafter_name)
         request = _Request(
             target, tokenizer, drafter, self._encode(prompt, tokenizer).to(target.device), num_draft_tokens,
-            temperature, max_new_tokens, self.catalog.lock(target_name),
+            confidence_threshold, temperature, max_new_tokens, self.catalog.lock(target_name),
         )  # fmt: skip
         if (target_name, drafter_name) not in self._warm_pairs:  # one-off first-call costs would skew the speedup
             try:
@@ -171,10 +174,13 @@ class OspreySpace:
         )
         return frame, "\n\n".join(notes)
 
-    def _check_settings(self, num_draft_tokens: int, temperature: float, max_new_tokens: int) -> None:
+    def _check_settings(
+        self, num_draft_tokens: int, temperature: float, max_new_tokens: int, confidence_threshold: float
+    ) -> None:
         limits = self.limits
         for name, value, low, high in [
             ("Draft length", num_draft_tokens, 1, limits.max_draft_tokens),
+            ("Early stop", confidence_threshold, 0, 1),
             ("Temperature", temperature, 0, limits.max_temperature),
             ("Max new tokens", max_new_tokens, 1, limits.max_new_tokens),
         ]:
@@ -213,6 +219,7 @@ class _Request:
     drafter: object
     input_ids: torch.LongTensor
     num_draft_tokens: int
+    confidence_threshold: float
     temperature: float
     max_new_tokens: int
     lock: threading.Lock
@@ -237,7 +244,8 @@ def _stream_osprey(request: _Request):
     job = BackgroundJob(
         lambda emit: speculative_generate(
             target, request.drafter, request.input_ids, max_new_tokens=request.max_new_tokens,
-            num_draft_tokens=request.num_draft_tokens, eos_token_id=target.generation_config.eos_token_id,
+            num_draft_tokens=request.num_draft_tokens, confidence_threshold=request.confidence_threshold,
+            eos_token_id=target.generation_config.eos_token_id,
             generator=generator, on_tokens=lambda *event: emit(event), **request.sampling,
         ),
         request.lock,

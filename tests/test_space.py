@@ -74,6 +74,17 @@ def test_generate_streams_highlighted_osprey_output_equal_to_the_target_alone(sp
     assert all(row["speedup"] == "" for row in rows[:-1])  # blank until both runs are timed
 
 
+def test_early_stop_shortens_the_chains_and_keeps_the_output(space, tiny_models):
+    target, tokenizer, _ = tiny_models
+    finals = {}
+    for threshold in (0.0, 1.0):  # 1: every chain ends after its first draft
+        *_, last = space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, MAX_NEW_TOKENS, threshold)
+        finals[threshold] = dict(zip(OUTPUT_NAMES, last))
+    for final in finals.values():
+        assert "".join(text for text, _ in final["osprey"]) == plain_greedy_text(target, tokenizer, MAX_NEW_TOKENS)
+    assert float(finals[1.0]["tau"]) <= 2 < float(finals[0.0]["tau"])
+
+
 def test_segmented_text_holds_back_a_character_until_its_last_byte(space):
     tokenizer = tiny_tokenizer()
     ids = tokenizer("a长", add_special_tokens=False)["input_ids"]  # 1 + 3 byte tokens
@@ -104,6 +115,7 @@ def test_segmented_text_holds_back_a_character_until_its_last_byte(space):
         ((PROMPT, "tiny-llama", "near-copy", 4, 0, 65), "Max new tokens must be between 1 and 64"),
         ((PROMPT, "tiny-llama", "near-copy", 0, 0, 8), "Draft length must be between 1 and 10"),
         ((PROMPT, "tiny-llama", "near-copy", 4, 2.5, 8), "Temperature must be between 0 and 2.0"),
+        ((PROMPT, "tiny-llama", "near-copy", 4, 0, 8, 1.5), "Early stop must be between 0 and 1"),
     ],
 )
 def test_generate_refuses_bad_requests_with_a_clear_message(space, arguments, message):
@@ -179,7 +191,7 @@ def test_served_app_through_gradio_client(space, tiny_models):
     try:
         client = Client(demo.local_url, verbose=False)
         osprey, target_only, tau, _, _, speedup, new_tokens, steps = client.predict(
-            PROMPT, "tiny-llama", "near-copy", 4, 0, MAX_NEW_TOKENS, api_name="/generate"
+            PROMPT, "tiny-llama", "near-copy", 4, 0, MAX_NEW_TOKENS, 0.0, api_name="/generate"
         )
         assert "".join(part["token"] for part in osprey) == target_only
         assert target_only == plain_greedy_text(target, tokenizer, MAX_NEW_TOKENS)
@@ -192,7 +204,7 @@ def test_served_app_through_gradio_client(space, tiny_models):
             (("x" * 201, "tiny-llama", "near-copy"), "at most 200"),
         ]:
             with pytest.raises(Exception, match=message) as refusal:
-                client.predict(*arguments, 4, 0, 8, api_name="/generate")
+                client.predict(*arguments, 4, 0, 8, 0.0, api_name="/generate")
             assert "Traceback" not in str(refusal.value)
     finally:
         demo.close()
