@@ -16,11 +16,11 @@ BACKBONE=$RUNS/pretrain-smollm2-2l  # stage 2: osprey pretrain --config trainers
 PARALLEL=${PARALLEL:-1}
 case $TARGET in
   qwen2.5-coder-1.5b-instruct)  # the primary target: cross-family (SmolLM2 tokenizer -> Qwen2 tokenizer)
-    FEATURES=$RUNS/features-qwen2.5-coder-1.5b-sharegpt; DRAFT_VOCAB=32000
-    BENCH=(--baselines target,pld,sps:qwen2.5-coder-0.5b-instruct --dtype bfloat16) ;;
+    FEATURES=$RUNS/features-qwen2.5-coder-1.5b-sharegpt; DRAFT_VOCAB=32000; DTYPE=bfloat16
+    BASELINES=target,pld,sps:qwen2.5-coder-0.5b-instruct; EARLY_STOP_BASELINES=target,sps:qwen2.5-coder-0.5b-instruct ;;
   smollm2-135m-instruct)  # the second target from the same backbone; a 135M target makes it the cheap pilot
     FEATURES=$RUNS/features-smollm2-135m-sharegpt; DRAFT_VOCAB=8192
-    BENCH=(--baselines target,pld --dtype float32) ;;  # float32: every output must equal the target's
+    DTYPE=float32; BASELINES=target,pld; EARLY_STOP_BASELINES=target ;;  # float32: outputs must equal the target's
   *) echo "unknown target $TARGET" >&2; exit 2 ;;
 esac
 OUT=$RUNS/replication/$TARGET
@@ -79,10 +79,15 @@ for pid in "${pids[@]}"; do wait "$pid"; done
 for drafter in osprey scratch eagle3; do
   [ -f "$OUT/$drafter/model.safetensors" ] || { log "distill $drafter did not finish: see $OUT/$drafter.log"; exit 1; }
 done
-RESULTS=benchmarks/results/replication-$TARGET.json  # resumed if it exists
+PROMPTS=(--prompts spec_bench --prompts mt_bench --prompts humaneval --prompts mmath --per-category ${PER_CATEGORY:-2}
+  --max-new-tokens ${MAX_NEW_TOKENS:-64} --seed 0 --dtype $DTYPE)
+RESULTS=benchmarks/results/replication-$TARGET.json  # each bench resumes its results file if it exists
 log "benchmark -> $RESULTS"
 OMP_NUM_THREADS=2 $OSPREY bench --target $TARGET --drafter osprey="$OUT/osprey" --drafter scratch="$OUT/scratch" \
-  --drafter eagle3="$OUT/eagle3" "${BENCH[@]}" --prompts spec_bench --prompts mt_bench --prompts humaneval \
-  --prompts mmath --per-category ${PER_CATEGORY:-2} --max-new-tokens ${MAX_NEW_TOKENS:-64} --seed 0 \
-  --output "$RESULTS" 2>&1 | tee -a "$OUT/bench.log"
+  --drafter eagle3="$OUT/eagle3" --baselines $BASELINES "${PROMPTS[@]}" --output "$RESULTS" 2>&1 | tee -a "$OUT/bench.log"
+# The same prompts with chains ending after an unsure draft, for Osprey and for the assistant baselines alike.
+RESULTS=benchmarks/results/replication-$TARGET-early-stop.json
+log "benchmark with --confidence-threshold 0.3 -> $RESULTS"
+OMP_NUM_THREADS=2 $OSPREY bench --target $TARGET --drafter osprey="$OUT/osprey" --baselines $EARLY_STOP_BASELINES \
+  --confidence-threshold 0.3 "${PROMPTS[@]}" --output "$RESULTS" 2>&1 | tee -a "$OUT/bench.log"
 log "done"
