@@ -5,9 +5,9 @@ logs: whether a drafter was still learning when the budget ran out, and how fast
         --output benchmarks/results/learning-curves-smollm2-135m-instruct
 
 Reads `RUN_DIR/{osprey,scratch,eagle3}/trainer_state.json` (or the newest checkpoint's, for a run still going) and
-writes OUTPUT.json (step, TTT accuracy at step 0 and at the last TTT step, per drafter) and OUTPUT.png. Accuracies
-are the trainer's logged training-batch means (every `logging_steps`), so they are noisy; the held-out numbers are
-the final evaluation's.
+writes OUTPUT.json (step, TTT accuracy at step 0 and at the last TTT step, per drafter, and the held-out accuracies
+of the run's last evaluation) and OUTPUT.png. The curves are the trainer's logged training-batch means (every
+`logging_steps`), so they are noisy; the held-out numbers are the evaluation's.
 """
 
 import argparse
@@ -36,14 +36,19 @@ def learning_curves(run_dir: Path) -> dict:
         state_path = trainer_state(run_dir / drafter)
         if state_path is None:
             continue
-        logs = [row for row in json.loads(state_path.read_text())["log_history"] if "ttt_acc_0" in row]
+        history = json.loads(state_path.read_text())["log_history"]
+        logs = [row for row in history if "ttt_acc_0" in row]
+        evaluations = [row for row in history if "eval_ttt_acc_0" in row]
         last = max(int(key.rsplit("_", 1)[1]) for key in logs[0] if key.startswith("ttt_acc_"))
         curves[drafter] = {
             "step": [row["step"] for row in logs],
             "ttt_acc_first": [row["ttt_acc_0"] for row in logs],
             "ttt_acc_last": [row[f"ttt_acc_{last}"] for row in logs],
             "last_ttt_step": last,
-        }
+            "held_out": {"step": evaluations[-1]["step"]} | {
+                key.removeprefix("eval_"): value for key, value in evaluations[-1].items() if key.startswith("eval_ttt_")
+            } if evaluations else None,
+        }  # fmt: skip
     if not curves:
         raise SystemExit(f"no trainer_state.json under {run_dir}/{{{','.join(DRAFTERS)}}}: pass a replication run dir")
     return curves
@@ -72,8 +77,10 @@ def main() -> None:
     Path(f"{args.output}.json").write_text(json.dumps(curves, indent=1) + "\n")  # names like qwen2.5-... hold dots
     plot(curves, args.run_dir.name, Path(f"{args.output}.png"))
     for drafter, curve in curves.items():
-        print(f"{drafter}: step {curve['step'][-1]}, TTT accuracy {curve['ttt_acc_first'][-1]:.3f} at step 0, "
-              f"{curve['ttt_acc_last'][-1]:.3f} at step {curve['last_ttt_step']}")  # fmt: skip
+        held_out = curve["held_out"]
+        print(f"{drafter}: step {curve['step'][-1]}, training TTT accuracy {curve['ttt_acc_first'][-1]:.3f} at step 0, "
+              f"{curve['ttt_acc_last'][-1]:.3f} at step {curve['last_ttt_step']}; held out"
+              + (f" at step {held_out['step']}: {held_out['ttt_acc_0']:.3f}" if held_out else ": not evaluated"))
 
 
 if __name__ == "__main__":
