@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from osprey import OspreyForDrafting
+from osprey.demo import COMPACT_WEIGHTS, load_compact_drafter
 from osprey.zoo import ZOO, load_causal_lm, load_tokenizer, resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,10 @@ def _load_target(location, dtype, device):
 
 
 def _load_drafter(location, dtype, device):
-    return OspreyForDrafting.from_pretrained(resolve_model_path(location), dtype=dtype).to(device).eval()
+    directory = Path(resolve_model_path(location))
+    if (directory / COMPACT_WEIGHTS).is_file():  # an `osprey demo --pack` checkpoint, like the packaged demo drafter
+        return load_compact_drafter(directory, dtype).to(device).eval()
+    return OspreyForDrafting.from_pretrained(directory, dtype=dtype).to(device).eval()
 
 
 def _check_pair(target, drafter, target_name: str, drafter_name: str) -> None:

@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=Path(__file__).resolve().parent / "models.json")
     parser.add_argument("--example", type=int, default=len(EXAMPLES) - 1, help="index into app.EXAMPLES")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--results", type=Path, help="`osprey bench` results folder for the τ plot (default: the app's)")
     parser.add_argument("--size", default="1280,1560", help="browser window WIDTH,HEIGHT in pixels")
     parser.add_argument("--output", type=Path, default=Path("docs/space.png"))
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
@@ -34,7 +35,7 @@ def main() -> None:
     if browser is None:
         raise SystemExit("No Chromium found: install it (`apt-get install -y chromium`) and run this again.")
 
-    space = OspreySpace(ModelCatalog.from_json(args.models))
+    space = OspreySpace(ModelCatalog.from_json(args.models), results_dir=args.results)
     prefill = {"prompt": EXAMPLES[args.example][1], "max_new_tokens": args.max_new_tokens}
     demo = build_demo(space, prefill)
     demo.launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)

@@ -8,14 +8,17 @@ from pathlib import Path
 
 import gradio as gr
 import pytest
+import torch
 from gradio_client import Client
 from test_decoding import near_copy_pair, random_drafter
 from test_vocab_alignment import byte_level_tokenizer
 
 from osprey.decode import speculative_generate
+from osprey.demo import DEMO_DRAFTER_DIR, load_compact_drafter, pack_compact_drafter
 
 # space/ is the Space's root folder, not a package: its modules import each other by plain name.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "space"))
+SPACE_DIR = Path(__file__).resolve().parents[1] / "space"
+sys.path.insert(0, str(SPACE_DIR))
 from allowlist import ModelCatalog, TargetChoice
 from app import benchmark_outputs, build_demo
 from live_decoding import ACCEPTED, OUTPUT_NAMES, TARGET, Limits, OspreySpace, SegmentedText
@@ -157,6 +160,29 @@ def test_catalog_from_json_lists_only_drafters_present_on_the_server(tmp_path):
     (tmp_path / "models.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="No drafter listed in .* exists on this machine"):
         ModelCatalog.from_json(tmp_path / "models.json")
+
+
+def test_catalog_serves_a_packed_compact_drafter_like_the_packaged_demo_one(tiny_models, tmp_path):
+    target, tokenizer, drafter = tiny_models
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    pack_compact_drafter(tmp_path / "drafter", tmp_path / "packed", target=str(tmp_path / "target"))
+    spec = {"targets": {"tiny": {"model": "./target", "drafters": {"packed": "./packed"}}}}
+    (tmp_path / "models.json").write_text(json.dumps(spec))
+    catalog = ModelCatalog.from_json(tmp_path / "models.json")
+    served = catalog.load("tiny", "packed")[2]
+    expected = load_compact_drafter(tmp_path / "packed").state_dict()
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in served.state_dict().items())
+    *_, last = OspreySpace(catalog, LIMITS).generate(PROMPT, "tiny", "packed", 4, 0, 12)
+    final = dict(zip(OUTPUT_NAMES, last))
+    assert "".join(text for text, _ in final["osprey"]) == final["target_only"]
+
+
+def test_shipped_allow_list_serves_the_packaged_demo_drafter():
+    spec = json.loads((SPACE_DIR / "models.json").read_text())
+    drafters = spec["targets"]["SmolLM2-135M-Instruct"]["drafters"].values()
+    assert any((SPACE_DIR / location).resolve() == DEMO_DRAFTER_DIR.resolve() for location in drafters)
 
 
 def test_benchmark_view_plots_saved_results_and_says_what_to_run_without_them(space):
