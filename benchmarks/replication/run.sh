@@ -17,10 +17,10 @@ PARALLEL=${PARALLEL:-1}
 case $TARGET in
   qwen2.5-coder-1.5b-instruct)  # the primary target: cross-family (SmolLM2 tokenizer -> Qwen2 tokenizer)
     FEATURES=$RUNS/features-qwen2.5-coder-1.5b-sharegpt; DRAFT_VOCAB=32000; DTYPE=bfloat16
-    BASELINES=target,pld,sps:qwen2.5-coder-0.5b-instruct; EARLY_STOP_BASELINES=target,sps:qwen2.5-coder-0.5b-instruct ;;
+    BASELINES=target,pld,sps:qwen2.5-coder-0.5b-instruct ;;
   smollm2-135m-instruct)  # the second target from the same backbone; a 135M target makes it the cheap pilot
     FEATURES=$RUNS/features-smollm2-135m-sharegpt; DRAFT_VOCAB=8192
-    DTYPE=float32; BASELINES=target,pld; EARLY_STOP_BASELINES=target ;;  # float32: outputs must equal the target's
+    DTYPE=float32; BASELINES=target,pld ;;  # float32: outputs must equal the target's
   *) echo "unknown target $TARGET" >&2; exit 2 ;;
 esac
 OUT=$RUNS/replication/$TARGET
@@ -85,7 +85,9 @@ RESULTS=benchmarks/results/replication-$TARGET.json  # each bench resumes its re
 log "benchmark -> $RESULTS"
 OMP_NUM_THREADS=2 $OSPREY bench --target $TARGET --drafter osprey="$OUT/osprey" --drafter scratch="$OUT/scratch" \
   --drafter eagle3="$OUT/eagle3" --baselines $BASELINES "${PROMPTS[@]}" --output "$RESULTS" 2>&1 | tee -a "$OUT/bench.log"
-# The same prompts with chains ending after an unsure draft, for Osprey and for the assistant baselines alike.
+# The same prompts with chains ending after an unsure draft, for Osprey and for the assistant baselines alike (PLD
+# has no draft probabilities to stop on).
+EARLY_STOP_BASELINES=${BASELINES//,pld/}
 RESULTS=benchmarks/results/replication-$TARGET-early-stop.json
 log "benchmark with --confidence-threshold 0.3 -> $RESULTS"
 OMP_NUM_THREADS=2 $OSPREY bench --target $TARGET --drafter osprey="$OUT/osprey" --baselines $EARLY_STOP_BASELINES \
