@@ -126,18 +126,18 @@ def _share(record: dict) -> str:
 
 
 def plot_results(results: dict, path: Path) -> None:
-    """τ (top) and speedup (bottom) per category, bars grouped by method, one column per suite."""
+    """τ (left) and speedup (right) per category, bars grouped by method, one row per suite."""
     from matplotlib.figure import Figure
 
     suites, methods = list(results["prompts"]), list(results["methods"])
-    widths = [len(categories) + 1 for categories in results["prompts"].values()]
-    figure = Figure(figsize=(max(6.0, 0.9 * sum(widths) * max(1, len(methods)) / 2), 7), layout="constrained")
-    axes = figure.subplots(2, len(suites), squeeze=False, width_ratios=widths)
+    widest = max(len(categories) + 1 for categories in results["prompts"].values())
+    figure = Figure(figsize=(min(24.0, 4.0 + 0.25 * widest * len(methods)), 3.2 * len(suites)), layout="constrained")
+    axes = figure.subplots(len(suites), 2, squeeze=False)
     by_key = {(r["method"], r["suite"], r["category"]): r for r in results["records"]}
     bar_width = 0.8 / max(1, len(methods))
-    for column, suite in enumerate(suites):
+    for row, suite in enumerate(suites):
         categories = [*results["prompts"][suite], OVERALL]
-        for row, (field, label) in enumerate((("tau", "τ (tokens per verification step)"), ("speedup", "speedup"))):
+        for column, (field, label) in enumerate((("tau", "τ"), ("speedup", "speedup over the target alone"))):
             axis = axes[row][column]
             for index, method in enumerate(methods):
                 values = [(by_key.get((method, suite, category)) or {}).get(field) for category in categories]
@@ -145,9 +145,7 @@ def plot_results(results: dict, path: Path) -> None:
                 axis.bar(positions, [0 if v is None else v for v in values], bar_width, label=method)
             axis.set_xticks(range(len(categories)), categories, rotation=45, ha="right")
             axis.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
-            axis.set_title(f"{suite}: {'τ' if field == 'tau' else 'speedup over the target alone'}")
-            if column == 0:
-                axis.set_ylabel(label)
+            axis.set_title(f"{suite}: {label}")
     figure.legend(*axes[0][0].get_legend_handles_labels(), loc="outside upper center", ncols=len(methods))
     figure.savefig(path, dpi=100)
 

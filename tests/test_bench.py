@@ -281,3 +281,25 @@ def test_humaneval_and_mmath_come_from_their_pypi_wheels(tmp_path):
     mmath = load_suite("mmath", cache_dir=tmp_path)
     assert {p.category for p in mmath} == set(bench_suites.MMATH_LANGUAGES)
     assert len(mmath) == 374 * len(bench_suites.MMATH_LANGUAGES)
+
+
+def test_replication_ratios_compare_only_prompts_every_method_finished():
+    """A bench stopped early leaves a prompt done by some methods only; `ratios.py` must not let it tilt a ratio."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "replication" / "ratios.py"
+    spec = importlib.util.spec_from_file_location("ratios", path)
+    ratios = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ratios)
+
+    def row(method, prompt_id, tau):
+        return {"method": method, "suite": "spec_bench", "category": "qa", "prompt_id": prompt_id, "tau": tau}
+
+    results = {
+        "methods": {"osprey": "drafter:a", "scratch": "drafter:b"},
+        "requests": [row("osprey", "1", 1.5), row("scratch", "1", 1.0), row("osprey", "2", 3.0)],
+    }
+    requests = ratios.complete_requests(results)
+    assert [(r["method"], r["prompt_id"]) for r in requests] == [("osprey", "1"), ("scratch", "1")]
+    assert ratios.ratios(requests, controls=("scratch",))["overall"]["osprey/scratch"] == pytest.approx(1.5)

@@ -7,12 +7,26 @@ token and of a verification step.
 
 Groups (issue 6): out of domain = Spec-Bench translation and math_reasoning, HumanEval, MMATH, and MT-Bench in
 languages other than English; non-English = MT-Bench and MMATH in other languages than English. τ of a group is the
-mean over its requests (per-request τ, as everywhere in `osprey bench`).
+mean over its requests (per-request τ, as everywhere in `osprey bench`). Only prompts that every method finished are
+compared, so a bench that was stopped early still compares like with like (the script says how many it left out).
 """
 
 import argparse
 import json
 import statistics
+
+
+def _prompt_key(row: dict) -> tuple[str, str, str]:
+    return row["suite"], row["category"], row["prompt_id"]
+
+
+def complete_requests(results: dict) -> list[dict]:
+    """The requests of the prompts that every method of the bench has finished."""
+    prompts_by_method: dict[str, set] = {method: set() for method in results["methods"]}
+    for row in results["requests"]:
+        prompts_by_method[row["method"]].add(_prompt_key(row))
+    complete = set.intersection(*prompts_by_method.values())
+    return [row for row in results["requests"] if _prompt_key(row) in complete]
 
 
 def group_of(row: dict) -> set[str]:
@@ -28,9 +42,9 @@ def group_of(row: dict) -> set[str]:
     return groups
 
 
-def ratios(results: dict, drafter: str = "osprey", controls=("scratch", "eagle3")) -> dict:
+def ratios(requests: list[dict], drafter: str = "osprey", controls=("scratch", "eagle3")) -> dict:
     taus: dict[tuple[str, str], list[float]] = {}
-    for row in results["requests"]:
+    for row in requests:
         if row["tau"] is None:
             continue
         for group in group_of(row):
@@ -50,17 +64,13 @@ def ratios(results: dict, drafter: str = "osprey", controls=("scratch", "eagle3"
     return table
 
 
-def costs(results: dict) -> dict:
+def costs(requests: list[dict]) -> dict:
     """Per method, over all its requests: speedup = summed tokens / summed wall time over the target alone's (when
     a `target` method ran), mean drafts per verification step, ms per draft token and per verification step (from the
     bench's time split), and how many outputs equal the target's."""
-    target_hashes = {
-        (row["suite"], row["category"], row["prompt_id"]): row["output_sha256"]
-        for row in results["requests"]
-        if row["method"] == "target"
-    }
+    target_hashes = {_prompt_key(row): row["output_sha256"] for row in requests if row["method"] == "target"}
     totals: dict[str, dict] = {}
-    for row in results["requests"]:
+    for row in requests:
         total = totals.setdefault(row["method"], dict.fromkeys(
             ("tokens", "seconds", "drafted", "steps", "draft_s", "verify_s", "same", "requests"), 0
         ))  # fmt: skip
@@ -70,7 +80,7 @@ def costs(results: dict) -> dict:
         total["steps"] += len(row["drafted_per_step"])
         total["draft_s"] += row["time_split_s"]["draft"]
         total["verify_s"] += row["time_split_s"]["verify"]
-        total["same"] += target_hashes.get((row["suite"], row["category"], row["prompt_id"])) == row["output_sha256"]
+        total["same"] += target_hashes.get(_prompt_key(row)) == row["output_sha256"]
         total["requests"] += 1
     baseline = totals.get("target")
     table = {}
@@ -98,7 +108,11 @@ def main() -> None:
     args = parser.parse_args()
     with open(args.results) as file:
         results = json.load(file)
-    table = ratios(results, args.drafter, tuple(args.controls))
+    requests = complete_requests(results)
+    left_out = len(results["requests"]) - len(requests)
+    if left_out:
+        print(f"Left out {left_out} requests of prompts that not every method finished.\n")
+    table = ratios(requests, args.drafter, tuple(args.controls))
     methods = [args.drafter, *args.controls]
     print("| group | prompts | " + " | ".join(f"τ {m}" for m in methods) + " | "
           + " | ".join(f"{args.drafter} / {c}" for c in args.controls) + " |")  # fmt: skip
@@ -111,7 +125,7 @@ def main() -> None:
     print("| method | speedup (summed tokens and time) | drafts per step | ms per draft token | ms per verify step "
           "| output = target |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|")
-    for method, entry in costs(results).items():
+    for method, entry in costs(requests).items():
         cells = [
             _cell(entry["speedup"], "{:.2f}x"), f"{entry['mean_drafts_per_step']:.2f}",
             _cell(entry["draft_ms_per_token"], "{:.1f}"), _cell(entry["verify_ms_per_step"], "{:.1f}"),
