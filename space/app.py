@@ -85,7 +85,7 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
                     1, limits.max_draft_tokens, value=request["num_draft_tokens"], step=1, label="Draft length"
                 )
                 confidence_threshold = gr.Slider(
-                    0, 0.9, value=request["confidence_threshold"], step=0.05,
+                    0, 1, value=request["confidence_threshold"], step=0.05,
                     label="Early stop: end a chain after a draft below this probability (0 = full chains)",
                 )  # fmt: skip
                 temperature = gr.Slider(
