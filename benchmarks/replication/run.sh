@@ -27,28 +27,13 @@ OUT=$RUNS/replication/$TARGET
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
-log() { echo "[$(date -u +%H:%M:%S)] $*"; }
-
-if [ ! -f "$FEATURES/feature_cache.json" ]; then
-  log "target features (resumes after the last complete shard)"
-  $OSPREY features --target_model $TARGET --dataset_name sharegpt --output_dir "$FEATURES" --max_length 1024 \
-    --max_examples 1000 --batch_size 1 --target_dtype bfloat16 --shard_size_mb 256
-fi
+source benchmarks/replication/inputs.sh
+target_features $TARGET "$FEATURES"
 if [ ! -f "$BACKBONE/model.safetensors" ]; then
   log "the pretrained backbone is not finished: resume stage 2 first (docs/training.md)"; exit 1
 fi
-
 VOCAB_CORPUS=$RUNS/sharegpt-train.txt
-if [ ! -f "$VOCAB_CORPUS" ]; then
-  log "draft-vocabulary corpus: the ShareGPT training conversations as text"
-  .venv/bin/python -c "
-import sys; from trainers.data import DatasetArguments, load_text_dataset
-dataset = load_text_dataset(DatasetArguments(dataset_name='sharegpt'))['train']
-with open(sys.argv[1] + '.partial', 'w') as out:
-    for messages in dataset['messages']:
-        out.write('\n'.join(message['content'] for message in messages) + '\n')
-" "$VOCAB_CORPUS" && mv "$VOCAB_CORPUS.partial" "$VOCAB_CORPUS"
-fi
+sharegpt_text "$VOCAB_CORPUS"
 
 OSPREY_DRAFTER=$OUT/osprey-init
 [ -f "$OSPREY_DRAFTER/model.safetensors" ] || $OSPREY convert --backbone "$BACKBONE" --target $TARGET \
