@@ -283,23 +283,51 @@ def test_humaneval_and_mmath_come_from_their_pypi_wheels(tmp_path):
     assert len(mmath) == 374 * len(bench_suites.MMATH_LANGUAGES)
 
 
-def test_replication_ratios_compare_only_prompts_every_method_finished():
-    """A bench stopped early leaves a prompt done by some methods only; `ratios.py` must not let it tilt a ratio."""
+def _replication_ratios_module():
     import importlib.util
     from pathlib import Path
 
     path = Path(__file__).parents[1] / "benchmarks" / "replication" / "ratios.py"
     spec = importlib.util.spec_from_file_location("ratios", path)
-    ratios = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ratios)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    def row(method, prompt_id, tau):
-        return {"method": method, "suite": "spec_bench", "category": "qa", "prompt_id": prompt_id, "tau": tau}
 
+def _request(method, prompt_id, tau, output="same"):
+    return {
+        "method": method, "suite": "spec_bench", "category": "qa", "prompt_id": prompt_id, "tau": tau,
+        "output_sha256": output,
+    }  # fmt: skip
+
+
+def test_replication_ratios_compare_only_prompts_every_method_finished():
+    """A bench stopped early leaves a prompt done by some methods only; `ratios.py` must not let it tilt a ratio."""
+    ratios = _replication_ratios_module()
     results = {
         "methods": {"osprey": "drafter:a", "scratch": "drafter:b"},
-        "requests": [row("osprey", "1", 1.5), row("scratch", "1", 1.0), row("osprey", "2", 3.0)],
+        "requests": [_request("osprey", "1", 1.5), _request("scratch", "1", 1.0), _request("osprey", "2", 3.0)],
     }
     requests = ratios.complete_requests(results)
     assert [(r["method"], r["prompt_id"]) for r in requests] == [("osprey", "1"), ("scratch", "1")]
     assert ratios.ratios(requests, controls=("scratch",))["overall"]["osprey/scratch"] == pytest.approx(1.5)
+
+
+def test_replication_ratios_join_another_bench_only_when_both_decoded_alike():
+    ratios = _replication_ratios_module()
+    settings = {"do_sample": False, "max_new_tokens": 64}
+
+    def bench(drafter, tau, target_output):
+        return {
+            "settings": settings, "methods": {drafter: "drafter:x", "target": "target"},
+            "requests": [_request(drafter, "1", tau), _request("target", "1", 1.0, target_output)],
+        }  # fmt: skip
+
+    joined = ratios.with_drafters_from(bench("osprey", 1.5, "t"), bench("ablation", 1.2, "t"))
+    assert list(joined["methods"]) == ["osprey", "target", "ablation"]
+    table = ratios.ratios(joined["requests"], controls=("ablation",))
+    assert table["overall"]["osprey/ablation"] == pytest.approx(1.25)
+    with pytest.raises(ValueError, match="did not decode alike"):
+        ratios.with_drafters_from(bench("osprey", 1.5, "t"), bench("ablation", 1.2, "other"))
+    with pytest.raises(ValueError, match="identical settings"):
+        ratios.with_drafters_from(bench("osprey", 1.5, "t"), {**bench("ablation", 1.2, "t"), "settings": {}})

@@ -9,6 +9,10 @@ Groups (issue 6): out of domain = Spec-Bench translation and math_reasoning, Hum
 languages other than English; non-English = MT-Bench and MMATH in other languages than English. τ of a group is the
 mean over its requests (per-request τ, as everywhere in `osprey bench`). Only prompts that every method finished are
 compared, so a bench that was stopped early still compares like with like (the script says how many it left out).
+
+`--also OTHER.json` adds the drafters of another greedy bench on the same prompts to the τ table (not to the costs:
+times from two runs do not compare). Greedy τ does not depend on the run, but only if both decoded alike, so the
+target-alone outputs of the two runs must be identical.
 """
 
 import argparse
@@ -27,6 +31,29 @@ def complete_requests(results: dict) -> list[dict]:
         prompts_by_method[row["method"]].add(_prompt_key(row))
     complete = set.intersection(*prompts_by_method.values())
     return [row for row in results["requests"] if _prompt_key(row) in complete]
+
+
+def with_drafters_from(results: dict, other: dict) -> dict:
+    """`results` plus the drafter methods (and their requests) of `other`, a greedy bench with the same settings
+    whose target-alone outputs equal those of `results` on every shared prompt."""
+    if results["settings"] != other["settings"] or results["settings"]["do_sample"]:
+        raise ValueError("Only greedy benches with identical settings can be compared across runs.")
+    target_outputs = [
+        {_prompt_key(row): row["output_sha256"] for row in bench["requests"] if row["method"] == "target"}
+        for bench in (results, other)
+    ]
+    shared = target_outputs[0].keys() & target_outputs[1].keys()
+    if not shared or any(target_outputs[0][key] != target_outputs[1][key] for key in shared):
+        raise ValueError("The two benches' target-alone outputs differ (or were not both run): they did not decode "
+                         "alike, so their τ do not compare. Rerun both with the same --dtype and target.")  # fmt: skip
+    drafters = {name: spec for name, spec in other["methods"].items() if spec.startswith("drafter:")}
+    if drafters.keys() & results["methods"].keys():
+        raise ValueError(f"Both benches have a method named {sorted(drafters.keys() & results['methods'].keys())}.")
+    return {
+        **results,
+        "methods": {**results["methods"], **drafters},
+        "requests": results["requests"] + [row for row in other["requests"] if row["method"] in drafters],
+    }
 
 
 def group_of(row: dict) -> set[str]:
@@ -105,9 +132,14 @@ def main() -> None:
     parser.add_argument("results")
     parser.add_argument("--drafter", default="osprey")
     parser.add_argument("--controls", nargs="+", default=["scratch", "eagle3"])
+    parser.add_argument("--also", help="another greedy bench's results JSON whose drafters join the τ table")
     args = parser.parse_args()
     with open(args.results) as file:
         results = json.load(file)
+    own_methods = set(results["methods"])
+    if args.also:
+        with open(args.also) as file:
+            results = with_drafters_from(results, json.load(file))
     requests = complete_requests(results)
     left_out = len(results["requests"]) - len(requests)
     if left_out:
@@ -125,7 +157,7 @@ def main() -> None:
     print("| method | speedup (summed tokens and time) | drafts per step | ms per draft token | ms per verify step "
           "| output = target |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|")
-    for method, entry in costs(requests).items():
+    for method, entry in costs([row for row in requests if row["method"] in own_methods]).items():
         cells = [
             _cell(entry["speedup"], "{:.2f}x"), f"{entry['mean_drafts_per_step']:.2f}",
             _cell(entry["draft_ms_per_token"], "{:.1f}"), _cell(entry["verify_ms_per_step"], "{:.1f}"),
