@@ -319,7 +319,7 @@ def test_replication_ratios_join_another_bench_only_when_both_decoded_alike():
 
     def bench(drafter, tau, target_output):
         return {
-            "settings": settings, "methods": {drafter: "drafter:x", "target": "target"},
+            "target": "t", "settings": settings, "methods": {drafter: "drafter:x", "target": "target"},
             "requests": [_request(drafter, "1", tau), _request("target", "1", 1.0, target_output)],
         }  # fmt: skip
 
