@@ -178,6 +178,11 @@ def _request_key(row: dict) -> tuple[str, str, str, str]:
     return row["method"], row["suite"], row["category"], row["prompt_id"]
 
 
+def saved_settings(results: dict) -> dict:
+    """The settings a results JSON was made with; a setting added since it was saved keeps its default."""
+    return asdict(BenchSettings()) | results.get("settings", {})
+
+
 def _start_results(target_name: str, settings: BenchSettings, methods, output_path: Path | None) -> dict:
     """A fresh results dict, or the one saved at `output_path` if it was made with the same target and settings."""
     fresh = {
@@ -187,7 +192,7 @@ def _start_results(target_name: str, settings: BenchSettings, methods, output_pa
     if output_path is None or not output_path.exists():
         return fresh
     saved = json.loads(output_path.read_text())
-    saved["settings"] = asdict(BenchSettings()) | saved.get("settings", {})  # settings added since keep their default
+    saved["settings"] = saved_settings(saved)
     for key in ("format", "target", "settings"):
         if saved.get(key) != fresh[key]:
             raise ValueError(

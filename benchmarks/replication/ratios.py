@@ -19,6 +19,8 @@ import argparse
 import json
 import statistics
 
+from osprey.bench import saved_settings
+
 
 def _prompt_key(row: dict) -> tuple[str, str, str]:
     return row["suite"], row["category"], row["prompt_id"]
@@ -36,7 +38,7 @@ def complete_requests(results: dict) -> list[dict]:
 def with_drafters_from(results: dict, other: dict) -> dict:
     """`results` plus the drafter methods (and their requests) of `other`, a greedy bench with the same settings
     whose target-alone outputs equal those of `results` on every shared prompt."""
-    settings = [{"confidence_threshold": 0.0} | bench["settings"] for bench in (results, other)]  # added since
+    settings = [saved_settings(bench) for bench in (results, other)]
     if settings[0] != settings[1] or settings[0]["do_sample"] or results.get("target") != other.get("target"):
         raise ValueError("Only greedy benches of one target with identical settings can be compared across runs.")
     target_outputs = [
