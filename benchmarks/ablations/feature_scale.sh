@@ -9,6 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-/work/runs}
+OSPREY=${OSPREY:-.venv/bin/osprey}
+source benchmarks/replication/stages.sh
 PILOT=$RUNS/replication/smollm2-135m-instruct  # benchmarks/replication/run.sh smollm2-135m-instruct
 OUT=$RUNS/feature-scale
 mkdir -p "$OUT"
@@ -27,11 +29,7 @@ PY
     mv "$init.partial" "$init"
   fi
   [ -f "$run/model.safetensors" ] && continue
-  resume=()
-  compgen -G "$run/checkpoint-*" > /dev/null && resume=(--resume_from_checkpoint true)
-  OMP_NUM_THREADS=1 .venv/bin/osprey distill --config benchmarks/replication/distill-common.yaml \
-    --feature_cache "$RUNS/features-smollm2-135m-sharegpt" --drafter "$init" --output_dir "$run" "${resume[@]}" \
-    >> "$run.log" 2>&1 &
+  OMP_NUM_THREADS=1 distill "$init" "$run" "$RUNS/features-smollm2-135m-sharegpt" &
 done
 wait
 .venv/bin/python - "$PILOT/osprey" "$OUT" benchmarks/results/ablation-feature-scale.json <<'PY'

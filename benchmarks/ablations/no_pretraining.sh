@@ -14,20 +14,14 @@ FEATURES=$RUNS/features-smollm2-135m-sharegpt  # shared with benchmarks/replicat
 OUT=$RUNS/no-pretraining
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-source benchmarks/replication/inputs.sh
+source benchmarks/replication/stages.sh
 target_features $TARGET "$FEATURES"
 sharegpt_text "$RUNS/sharegpt-train.txt"
 
 [ -f "$OUT/pruned/model.safetensors" ] || $OSPREY prune --model $TARGET --num-layers 2 --output "$OUT/pruned"
 [ -f "$OUT/osprey-init/model.safetensors" ] || $OSPREY convert --backbone "$OUT/pruned" --target $TARGET \
   --draft-vocab-size 8192 --draft-vocab-corpus "$RUNS/sharegpt-train.txt" --output "$OUT/osprey-init"
-if [ ! -f "$OUT/osprey/model.safetensors" ]; then
-  resume=()
-  compgen -G "$OUT/osprey/checkpoint-*" > /dev/null && resume=(--resume_from_checkpoint true)
-  log "distill"
-  $OSPREY distill --config benchmarks/replication/distill-common.yaml --feature_cache "$FEATURES" \
-    --drafter "$OUT/osprey-init" --output_dir "$OUT/osprey" "${resume[@]}" >> "$OUT/osprey.log" 2>&1
-fi
+[ -f "$OUT/osprey/model.safetensors" ] || distill "$OUT/osprey-init" "$OUT/osprey" "$FEATURES"
 log "benchmark -> benchmarks/results/ablation-no-pretraining.json"
 $OSPREY bench --target $TARGET --drafter no-stage-2="$OUT/osprey" --drafter no-stage-2-undistilled="$OUT/osprey-init" \
   --baselines target --prompts spec_bench --prompts mt_bench --prompts humaneval --prompts mmath --per-category 2 \

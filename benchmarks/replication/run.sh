@@ -27,7 +27,7 @@ OUT=$RUNS/replication/$TARGET
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
-source benchmarks/replication/inputs.sh
+source benchmarks/replication/stages.sh
 target_features $TARGET "$FEATURES"
 if [ ! -f "$BACKBONE/model.safetensors" ]; then
   log "the pretrained backbone is not finished: resume stage 2 first (docs/training.md)"; exit 1
@@ -43,21 +43,15 @@ OSPREY_DRAFTER=$OUT/osprey-init
 [ -f "$OUT/eagle3-init/model.safetensors" ] || $OSPREY baseline eagle3 --like "$OSPREY_DRAFTER" \
   --target $TARGET --output "$OUT/eagle3-init"
 
-distill() {
-  local drafter=$1 output=$OUT/$1 resume=() extra=()
-  compgen -G "$output/checkpoint-*" > /dev/null && resume=(--resume_from_checkpoint true)
-  [ $drafter = eagle3 ] && extra=(--freeze_embeddings true)
-  log "distill $drafter"
-  $OSPREY distill --config benchmarks/replication/distill-common.yaml --feature_cache "$FEATURES" \
-    --drafter "$OUT/$drafter-init" --output_dir "$output" "${extra[@]}" "${resume[@]}" >> "$OUT/$drafter.log" 2>&1
-}
 pids=()
 for drafter in osprey scratch eagle3; do
   [ -f "$OUT/$drafter/model.safetensors" ] && continue
+  extra=()
+  [ $drafter = eagle3 ] && extra=(--freeze_embeddings true)  # EAGLE-3 keeps the target's embedding
   if [ "$PARALLEL" = 1 ]; then
-    OMP_NUM_THREADS=1 distill $drafter & pids+=($!)
+    OMP_NUM_THREADS=1 distill "$OUT/$drafter-init" "$OUT/$drafter" "$FEATURES" "${extra[@]}" & pids+=($!)
   else
-    distill $drafter
+    distill "$OUT/$drafter-init" "$OUT/$drafter" "$FEATURES" "${extra[@]}"
   fi
 done
 for pid in "${pids[@]}"; do wait "$pid"; done

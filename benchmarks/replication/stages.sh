@@ -1,5 +1,5 @@
-# Sourced by run.sh and the ablations (which set OSPREY): the two inputs every distillation for a target shares,
-# each built once and skipped when complete.
+# Sourced by run.sh and the ablations (which set OSPREY): the stages they share, each skipped when complete or
+# resumed when it was killed.
 
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
@@ -20,4 +20,13 @@ with open(sys.argv[1] + '.partial', 'w') as out:
     for messages in dataset['messages']:
         out.write('\n'.join(message['content'] for message in messages) + '\n')
 " "$1" && mv "$1.partial" "$1"
+}
+
+distill() {  # distill INIT OUTPUT FEATURES [ARGS...]: stage 4 on the replication's budget, logged to OUTPUT.log
+  local init=$1 output=$2 features=$3 resume=()
+  shift 3
+  compgen -G "$output/checkpoint-*" > /dev/null && resume=(--resume_from_checkpoint true)
+  log "distill $output"
+  $OSPREY distill --config benchmarks/replication/distill-common.yaml --feature_cache "$features" \
+    --drafter "$init" --output_dir "$output" "$@" "${resume[@]}" >> "$output.log" 2>&1
 }
