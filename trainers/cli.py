@@ -1,4 +1,4 @@
-"""The training stages' `osprey` subcommands: `data`, `pretrain`, `features` and `distill`.
+"""The training stages' `osprey` subcommands: `data`, `pretrain`, `features`, `distill` and `regenerate`.
 
 Importing this module is cheap: each stage's module (and TRL, datasets) is imported only when its command runs.
 `pretrain`, `features` and `distill` are `trl.TrlParser` scripts, so everything after the command goes to TrlParser
@@ -14,11 +14,12 @@ TRL_STAGES = {
     "pretrain": ("trainers.pretrain", "train a pruned backbone on general text (stage 2)"),
     "features": ("trainers.feature_cache", "precompute a target's features for distillation"),
     "distill": ("trainers.distill", "distill a converted drafter against its target with TTT (stage 4)"),
+    "regenerate": ("trainers.regenerate", "answer a chat corpus with the target itself (distillation data)"),
 }
 
 
 def add_subcommand(subparsers) -> None:
-    """Adds `osprey data`, `osprey pretrain`, `osprey features` and `osprey distill` (see `osprey.cli`)."""
+    """Adds `osprey data` and the TrlParser stages (`pretrain`, `features`, `distill`, `regenerate`) (see `osprey.cli`)."""
     for name, (module, help_text) in TRL_STAGES.items():
         # No option is parsed here (`prefix_chars` avoids "-"): TrlParser gets the arguments, `--help` included.
         parser = subparsers.add_parser(name, help=help_text, add_help=False, prefix_chars="+")
