@@ -1,5 +1,7 @@
 """Osprey drafter configuration."""
 
+import re
+from collections.abc import Mapping
 from dataclasses import field
 
 from transformers import PreTrainedConfig
@@ -9,6 +11,14 @@ AUTO_MAP = {
     "AutoConfig": "configuration_osprey.OspreyConfig",
     "AutoModel": "modeling_osprey.OspreyModel",
     "AutoModelForCausalLM": "modeling_osprey.OspreyForDrafting",
+}
+# How a drafter drafts unless its generation config says otherwise: the Osprey paper's full chains of 5 tokens per
+# verification step (transformers' default for assistants, 20 growing tokens stopped at 0.4 confidence, wastes drafter
+# steps). A threshold above 0 ends a chain at the first draft the drafter gave less than that probability.
+DRAFTING_DEFAULTS = {
+    "num_assistant_tokens": 5,
+    "num_assistant_tokens_schedule": "constant",
+    "assistant_confidence_threshold": 0.0,
 }
 
 
@@ -67,6 +77,10 @@ class OspreyConfig(PreTrainedConfig):
             EAGLE-3's rule is `[1, L // 2 - 1, L - 4]`.
         target_model_type (`str`, *optional*):
             `model_type` of the target the drafter was converted for (e.g. `"qwen2"`), checked when attaching.
+        target_name_or_path (`str`, *optional*):
+            The target the drafter was converted for, as `osprey convert` was given it: a zoo name, a Hub id or a
+            local path (compare speculators' `verifier.name_or_path`). Demos load this target, and attaching a
+            target whose name differs is refused (`check_target`).
         backbone_model_type (`str`, *optional*):
             `model_type` of the pretrained backbone the blocks came from (e.g. `"llama"`), for provenance.
         residual_stream (`str`, *optional*, defaults to `"tokens"`):
@@ -100,6 +114,7 @@ class OspreyConfig(PreTrainedConfig):
     target_hidden_size: int = 1536
     target_layer_ids: list[int] = field(default_factory=lambda: [1, 13, 24])
     target_model_type: str | None = None
+    target_name_or_path: str | None = None
     backbone_model_type: str | None = None
     residual_stream: str = "tokens"
 
@@ -142,10 +157,77 @@ class OspreyConfig(PreTrainedConfig):
                 "(0-based target decoder blocks, e.g. [1, 13, 24])."
             )
 
+    def check_target(self, target, name_or_path: str | None = None, target_layer_ids=None) -> None:
+        """Raises a `ValueError` naming the fix unless this drafter reads `target`'s token ids and hidden states.
+
+        The one rule of "this drafter fits this target", for attaching, distillation, feature caches and demos.
+        `target` is a target model, its config, or a mapping of the same fields (a feature cache's record).
+
+        Checks the vocabulary (input ids are target ids), the hidden size the taps are read at, that every tap layer
+        exists, the taps themselves when `target_layer_ids` says where features were read (a feature cache), and the
+        target's name: when both the drafter's `target_name_or_path` and the target's (`name_or_path`, default the
+        target's own) are known, they must name the same model. Names are compared by their last path component,
+        case-insensitively, so a zoo name, the zoo's cache directory and the Hub id of the same model agree
+        (`qwen2.5-coder-1.5b-instruct`, `.../models/qwen2.5-coder-1.5b-instruct`, `Qwen/Qwen2.5-Coder-1.5B-Instruct`).
+        """
+        fields = _target_fields(target)
+        name_or_path = name_or_path if name_or_path is not None else fields.get("name_or_path")
+        converted_for = (
+            f"{self.target_name_or_path!r} ({self.target_model_type}, hidden size {self.target_hidden_size}, "
+            f"vocabulary {self.vocab_size})"
+            if self.target_name_or_path
+            else f"a {self.target_model_type or 'target'} with hidden size {self.target_hidden_size} and vocabulary "
+            f"{self.vocab_size}"
+        )
+        problems = [
+            f"{name} {fields[name]} (the drafter's: {ours})"
+            for name, ours in (("vocab_size", self.vocab_size), ("hidden_size", self.target_hidden_size))
+            if fields.get(name) is not None and fields[name] != ours
+        ]
+        num_layers = fields.get("num_hidden_layers")
+        if num_layers is not None and max(self.target_layer_ids) >= num_layers:
+            problems.append(f"{num_layers} layers (the drafter taps {self.target_layer_ids})")
+        if target_layer_ids is not None and list(target_layer_ids) != self.target_layer_ids:
+            problems.append(f"features read at layers {list(target_layer_ids)} (the drafter taps {self.target_layer_ids})")
+        if problems:
+            raise ValueError(
+                f"This drafter was converted for {converted_for}, but the target{f' {name_or_path!r}' if name_or_path else ''} has "
+                f"{'; '.join(problems)}. Convert a backbone for this target with `osprey convert --target ...`, or "
+                "use the target the drafter was made for."
+            )
+        if self.target_name_or_path and name_or_path and _model_name(name_or_path) != _model_name(self.target_name_or_path):
+            raise ValueError(
+                f"This drafter was converted for {self.target_name_or_path!r}, not {name_or_path!r}: its acceptance "
+                f"would collapse on another model of the same shape. Use {self.target_name_or_path!r}, or convert a "
+                "drafter for this target with `osprey convert`. If it is the same model under another name (a local "
+                f"copy), record that name: `drafter.config.target_name_or_path = {name_or_path!r}`, then save."
+            )
+
     @property
     def fused_feature_size(self) -> int:
         """Width of the concatenated target taps that `fc` projects to `hidden_size`."""
         return len(self.target_layer_ids) * self.target_hidden_size
 
 
-__all__ = ["OspreyConfig"]
+def _target_fields(target) -> dict:
+    """vocab_size, hidden_size, num_hidden_layers and name_or_path of a target model, config or mapping."""
+    if isinstance(target, Mapping):
+        return dict(target)
+    config = getattr(target, "config", target)  # a model, or already its config
+    name_or_path = getattr(config, "name_or_path", None)
+    text_config = config.get_text_config(decoder=True)
+    fields = {name: getattr(text_config, name, None) for name in ("vocab_size", "hidden_size", "num_hidden_layers")}
+    return fields | {"name_or_path": name_or_path}
+
+
+def _model_name(name_or_path: str) -> str:
+    """The model a zoo name, Hub id or path names: its last path component, lower-cased (a Hub cache snapshot
+    `.../models--Org--Name/snapshots/<hash>` names `name`)."""
+    name_or_path = str(name_or_path).rstrip("/\\")
+    snapshot = re.search(r"models--[^/\\]+--([^/\\]+)[/\\]snapshots[/\\]", name_or_path)
+    if snapshot:
+        return snapshot.group(1).lower()
+    return re.split(r"[/\\]", name_or_path)[-1].lower()
+
+
+__all__ = ["DRAFTING_DEFAULTS", "OspreyConfig"]

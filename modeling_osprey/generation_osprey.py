@@ -176,24 +176,9 @@ class OspreyAssistantMixin:
     def attach_target(self, target: nn.Module) -> None:
         """Hooks `target`'s tap layers so that `target.generate(..., assistant_model=self)` feeds this drafter.
 
-        Replaces any previously attached target. Raises if the drafter was built for a target of another shape.
+        Replaces any previously attached target. Raises unless the drafter fits it (`OspreyConfig.check_target`).
         """
-        target_config = target.config.get_text_config(decoder=True)
-        mismatches = [
-            f"{name} {theirs} != drafter's {ours}"
-            for name, theirs, ours in [
-                ("vocab_size", target_config.vocab_size, self.config.vocab_size),
-                ("hidden_size", target_config.hidden_size, self.config.target_hidden_size),
-            ]
-            if theirs != ours
-        ]
-        if mismatches:
-            raise ValueError(
-                f"This drafter was converted for another target ({self.config.target_model_type!r}, "
-                f"hidden size {self.config.target_hidden_size}, vocabulary {self.config.vocab_size}); "
-                f"{type(target).__name__} has {'; '.join(mismatches)}. Convert the backbone for this target with "
-                "`osprey convert --target ...`."
-            )
+        self.config.check_target(target)
         capture = TargetFeatureCapture(target, self.config.target_layer_ids)  # validates the taps first
         self.detach_target()
         self._target_capture = capture

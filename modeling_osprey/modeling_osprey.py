@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
-from .configuration_osprey import OspreyConfig
+from .configuration_osprey import DRAFTING_DEFAULTS, OspreyConfig
 from .generation_osprey import OspreyAssistantMixin
 
 
@@ -364,11 +364,7 @@ class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationM
         self.model = OspreyModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.draft_to_target = nn.Buffer(torch.arange(config.draft_vocab_size), persistent=True)
-        # The paper drafts full chains of 5 tokens; transformers' default (20, growing) wastes drafter steps. A
-        # threshold above 0 (transformers' default for assistants: 0.4) stops a chain at the first unsure draft.
-        self.generation_config.num_assistant_tokens = 5
-        self.generation_config.num_assistant_tokens_schedule = "constant"
-        self.generation_config.assistant_confidence_threshold = 0.0
+        self.generation_config.update(**DRAFTING_DEFAULTS)
         self._target_capture = None
         self._draft_state = None
         self.post_init()
@@ -378,16 +374,6 @@ class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationM
 
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
-
-    def push_to_hub(self, repo_id: str, **kwargs):
-        """Publishes the drafter with its Osprey model card, plus the tokenizer and alignment report of the directory it
-        was loaded from (`osprey.hub.push_drafter`, which also takes `bench_results=`, `base_model=`, `source_dir=`).
-        Loaded as remote code without the osprey package installed, it falls back to transformers' generic card."""
-        try:
-            from osprey.hub import push_drafter
-        except ImportError:
-            return super().push_to_hub(repo_id, **kwargs)
-        return push_drafter(self, repo_id, **kwargs)
 
     def draft_ids_to_target_ids(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
         """Maps ids over the draft vocabulary (LM-head rows) to target-vocabulary ids."""

@@ -17,7 +17,6 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -25,7 +24,8 @@ from modeling_osprey import OspreyConfig, OspreyForDrafting
 from modeling_osprey.modeling_osprey import OspreyRMSNorm
 
 from . import zoo
-from .prune import require_empty_output_dir
+from .ground import read_input_embedding, require_empty_output_dir
+from .pack import load_drafter
 
 
 BASELINES = ("scratch", "eagle3")
@@ -73,17 +73,6 @@ def eagle3_config(reference: OspreyConfig, target_config) -> OspreyConfig:
     )
 
 
-def read_input_embedding(model_dir: str | os.PathLike) -> torch.Tensor:
-    """The target's input embedding matrix, read from its safetensors without loading the rest of the model."""
-    model_dir = Path(model_dir)
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(path, framework="pt") as weights:
-            for name in weights.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                if name.endswith("embed_tokens.weight"):
-                    return weights.get_tensor(name)
-    raise ValueError(f"No `*embed_tokens.weight` tensor in the safetensors files of {model_dir}: is it a target LLM?")
-
-
 @torch.no_grad()
 def eagle3_drafter(reference: OspreyForDrafting, target_dir: str | os.PathLike, seed: int = 0) -> OspreyForDrafting:
     """An EAGLE-3 drafter for the target in `target_dir`, sharing `reference`'s taps and draft vocabulary."""
@@ -110,7 +99,7 @@ def build_baseline(
     if kind not in BASELINES:
         raise ValueError(f"Unknown baseline {kind!r}: choose one of {', '.join(BASELINES)}.")
     output_dir = require_empty_output_dir(output_dir)
-    reference = OspreyForDrafting.from_pretrained(reference_dir)
+    reference = load_drafter(reference_dir)
     if kind == "scratch":
         drafter = scratch_drafter(reference, seed)
     else:

@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 
 from .bench_report import save_report, summarize
 from .bench_suites import SUITES, BenchPrompt, load_suite, select_subset
-from .decode import add_decoding_arguments, encode_prompt, speculative_generate
+from .decode import add_decoding_arguments, encode_prompt, speculative_generate, target_generate
+from .pack import load_drafter
 
 RESULTS_FORMAT = 1
 
@@ -78,14 +79,9 @@ class BenchMethod:
             extra["assistant_model"] = self.assistant
         if self.prompt_lookup_num_tokens is not None:
             extra["prompt_lookup_num_tokens"] = self.prompt_lookup_num_tokens
-        # Batch 1 has no padding; a pad id the model can generate would only get masked by HF's mask heuristics.
-        pad_token_id = eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id
-        if settings.do_sample:  # exactly the warpers `speculative_generate` applies, none from the target's config
-            extra |= {"temperature": settings.temperature, "top_k": settings.top_k or 0, "top_p": settings.top_p or 1.0}
-        output = target.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=settings.max_new_tokens,
-            do_sample=settings.do_sample, min_p=None, repetition_penalty=1.0, no_repeat_ngram_size=0,
-            eos_token_id=eos_token_id, pad_token_id=pad_token_id, **extra,
+        output = target_generate(
+            target, input_ids, settings.max_new_tokens, settings.do_sample, settings.temperature, settings.top_k,
+            settings.top_p, eos_token_id, **extra,
         )  # fmt: skip
         return output, None
 
@@ -287,16 +283,11 @@ def parse_method_specs(drafters: list[str], baselines: str) -> list[tuple[str, s
 
 
 def load_method(name: str, spec: str, tokenizer, dtype: torch.dtype, device: str) -> BenchMethod:
-    from transformers import AutoModelForCausalLM
-
-    from .zoo import load_causal_lm, load_tokenizer, resolve_model_path
+    from .zoo import load_causal_lm, load_tokenizer
 
     kind, _, argument = spec.partition(":")
     if kind == "drafter":
-        drafter = AutoModelForCausalLM.from_pretrained(
-            resolve_model_path(argument), dtype=dtype, trust_remote_code=True
-        )
-        return BenchMethod(name, spec, drafter=drafter.to(device).eval())
+        return BenchMethod(name, spec, drafter=load_drafter(argument, dtype, device))
     if kind == "pld":
         return BenchMethod(name, spec, prompt_lookup_num_tokens=int(argument or 10))
     if kind == "sps":

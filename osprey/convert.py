@@ -20,17 +20,16 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrained
 from transformers import PreTrainedTokenizerBase
 
 from modeling_osprey import OspreyConfig, OspreyForDrafting
+from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
 from modeling_osprey.target_features import default_target_layer_ids, validate_target_layer_ids
 
 from . import zoo
 from .presets import AUTO, PRESET_CHOICES, TargetPreset, end_of_turn_token_ids, merged_eos_token_ids, resolve_preset
-from .prune import copy_notices, require_empty_output_dir
+from .ground import copy_notices, require_empty_output_dir
 from .vocab_alignment import align_vocabularies, select_draft_vocab
 
 
 SUPPORTED_BACKBONES = ("llama", "qwen2", "qwen3")
-# The Osprey paper drafts a chain of 5 tokens per verification step.
-NUM_ASSISTANT_TOKENS = 5
 
 
 def drafter_config(
@@ -39,9 +38,11 @@ def drafter_config(
     target_layer_ids: Sequence[int] | None = None,
     draft_vocab_size: int | None = None,
     preset: TargetPreset | None = None,
+    target_name_or_path: str | None = None,
 ) -> OspreyConfig:
     """The drafter's config: block shapes from the backbone, vocabulary, tap layers and special ids from the target.
-    Taps are `target_layer_ids`, else the `preset`'s, else EAGLE-3's default."""
+    Taps are `target_layer_ids`, else the `preset`'s, else EAGLE-3's default. `target_name_or_path` (default: the
+    target config's own) is recorded as the target the drafter is for."""
     _check_backbone(backbone_config)
     target = target_config.get_text_config()
     num_target_layers = target.num_hidden_layers
@@ -67,6 +68,7 @@ def drafter_config(
         target_hidden_size=target.hidden_size,
         target_layer_ids=target_layer_ids,
         target_model_type=target_config.model_type,
+        target_name_or_path=target_name_or_path or target_config.name_or_path or None,
         backbone_model_type=backbone_config.model_type,
         bos_token_id=target.bos_token_id,
         eos_token_id=target.eos_token_id,
@@ -171,7 +173,11 @@ def convert(
     else:
         backbone_dir = zoo.resolve_model_path(backbone)
         backbone_config = AutoConfig.from_pretrained(backbone_dir)
-    config = drafter_config(backbone_config, target_config, target_layer_ids, draft_vocab_size, target_preset)
+    # The target as the user named it (zoo name, Hub id, path), which demos and the Space load again.
+    target_name = None if isinstance(target, PreTrainedConfig) else os.fspath(target)
+    config = drafter_config(
+        backbone_config, target_config, target_layer_ids, draft_vocab_size, target_preset, target_name
+    )
     if backbone_dir is not None:
         backbone_tokenizer = backbone_tokenizer or zoo.load_tokenizer(backbone_dir)
         backbone = zoo.load_causal_lm(backbone_dir)
@@ -188,9 +194,7 @@ def convert(
     drafter.load_state_dict(drafter_state_dict(backbone, config, alignment, draft_to_target), strict=True, assign=True)
     drafter.eval()
     drafter.generation_config = GenerationConfig(
-        num_assistant_tokens=NUM_ASSISTANT_TOKENS,
-        num_assistant_tokens_schedule="constant",
-        assistant_confidence_threshold=0.0,
+        **DRAFTING_DEFAULTS,
         bos_token_id=config.bos_token_id,
         eos_token_id=merged_eos_token_ids(config.eos_token_id, end_of_turn_token_ids(target_preset, target_tokenizer)),
         pad_token_id=config.pad_token_id,

@@ -113,6 +113,7 @@ def speculative_generate(
     """
     if input_ids.shape[0] != 1:
         raise ValueError(f"speculative_generate decodes one prompt at a time, got batch size {input_ids.shape[0]}.")
+    drafter.config.check_target(target)
     processors = sampling_processors(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
     eos_ids = None if eos_token_id is None else torch.tensor(eos_token_id, device=input_ids.device).view(-1)
     stats, start_time = SpeculativeStats(), time.perf_counter()
@@ -155,6 +156,47 @@ def speculative_generate(
                 on_tokens(emitted, accepted)
     stats.wall_time_s = time.perf_counter() - start_time
     return sequence, stats
+
+
+# Every logits filter a target's `generation_config` may switch on, off: `speculative_generate` applies none of them,
+# so `target_generate` must not either (a repetition penalty or top-k from the target's config would change its output).
+FILTERS_OFF = {
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+    "top_h": None, "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+    "sequence_bias": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None, "renormalize_logits": False, "num_beams": 1, "guidance_scale": None,
+}  # fmt: skip
+
+
+def target_generate(
+    target,
+    input_ids: torch.LongTensor,
+    max_new_tokens: int = 128,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | list[int] | None = None,
+    **generate_kwargs,
+) -> torch.LongTensor:
+    """`target.generate` decoding exactly what `speculative_generate` decodes with the same arguments: greedy, or
+    sampling with only `temperature`, `top_k` and `top_p` (every other filter of the target's generation config is
+    off), up to `max_new_tokens` and stopping at `eos_token_id`. The one target-alone baseline of `osprey decode
+    --compare`, `osprey bench` and the Space; `generate_kwargs` add an assistant (SpS), prompt lookup (PLD), a
+    streamer or `min_new_tokens`. Sampling draws from torch's global generator: seed it first."""
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p} if do_sample else {}
+    # Batch 1 has no padding; a pad id the model can generate would only get masked by transformers' heuristics.
+    pad_token_id = eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id
+    return target.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        **FILTERS_OFF | sampling | generate_kwargs,
+    )
 
 
 def _target_tokens(logits, prefix, processors, do_sample, generator) -> torch.LongTensor:
@@ -245,15 +287,12 @@ def add_subcommand(subparsers) -> None:
 
 
 def _run_decode(args) -> int:
-    from transformers import AutoModelForCausalLM
-
-    from .zoo import load_causal_lm, load_tokenizer, resolve_model_path
+    from .pack import load_drafter
+    from .zoo import load_causal_lm, load_tokenizer
 
     dtype = getattr(torch, args.dtype)
     target, tokenizer = load_causal_lm(args.target, dtype=dtype).eval(), load_tokenizer(args.target)
-    drafter = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(args.drafter), dtype=dtype, trust_remote_code=True
-    ).eval()
+    drafter = load_drafter(args.drafter, dtype)
     input_ids = encode_prompt(tokenizer, args.prompt)
     sampling = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     output, stats = speculative_generate(
@@ -261,14 +300,21 @@ def _run_decode(args) -> int:
         confidence_threshold=args.confidence_threshold, eos_token_id=target.generation_config.eos_token_id,
         generator=torch.Generator().manual_seed(args.seed), **sampling,
     )  # fmt: skip
-    print(tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True))
+    completion = tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
+    print(completion)
     report = stats.to_dict()
     del report["accepted_per_step"]
-    if args.compare:  # plain decoding of as many tokens, timed in the same process
-        length = dict(max_new_tokens=stats.new_tokens) | (dict(min_new_tokens=stats.new_tokens) if args.do_sample else {})
+    if args.compare:  # the target alone on the same prompt and settings, timed in the same process
+        torch.manual_seed(args.seed)
         start = time.perf_counter()
-        target.generate(input_ids, **length, **sampling)
-        report["target_only_tokens_per_s"] = stats.new_tokens / (time.perf_counter() - start)
+        alone = target_generate(
+            target, input_ids, args.max_new_tokens, eos_token_id=target.generation_config.eos_token_id, **sampling
+        )
+        seconds = time.perf_counter() - start
+        report["target_only_tokens_per_s"] = (alone.shape[1] - input_ids.shape[1]) / seconds
         report["speedup"] = report["tokens_per_s"] / report["target_only_tokens_per_s"]
+        report["target_only_completion"] = tokenizer.decode(alone[0, input_ids.shape[1] :], skip_special_tokens=True)
+        if not args.do_sample:  # greedy decoding is lossless token for token
+            report["identical_to_target_only"] = torch.equal(alone, output)
     print(json.dumps(report, indent=2))
     return 0

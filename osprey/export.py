@@ -34,8 +34,8 @@ from transformers import AutoConfig
 from modeling_osprey import OspreyConfig, OspreyForDrafting
 
 from . import zoo
-from .baselines import read_input_embedding
-from .prune import copy_notices, require_empty_output_dir
+from .ground import copy_notices, read_input_embedding, require_empty_output_dir
+from .pack import load_drafter
 
 
 SPECULATORS, SGLANG = "speculators", "sglang-eagle3"
@@ -220,7 +220,7 @@ def export_drafter(
     source_dir = None
     if not isinstance(drafter, OspreyForDrafting):
         source_dir = Path(drafter)
-        drafter = OspreyForDrafting.from_pretrained(source_dir)
+        drafter = load_drafter(source_dir)
     problems = export_problems(drafter.config, export_format)
     if drafter.config.hidden_size == drafter.config.target_hidden_size:
         problems += filter(None, [_check_target_embedding(drafter, target)])

@@ -5,8 +5,8 @@ commit: the safetensors weights, the config with `auto_map` and the remote-code 
 with `trust_remote_code=True` without this package), a generation config drafting 5 tokens per step, the target's
 tokenizer, the alignment report, license notices and a model card rendered from `hub_cards/drafter.md`: target
 (`base_model`), backbone, vocabulary alignment, training budget (`trainer_state.json`), usage and, with
-`--bench-results`, the `osprey bench` results as eval results. `drafter.push_to_hub(repo_id)` publishes the same way
-from Python. `osprey push --space DIR --repo-id ID` uploads a Gradio Space folder.
+`--bench-results`, the `osprey bench` results as eval results. `push_drafter(drafter, repo_id)` publishes the same
+way from Python; `drafter.push_to_hub(repo_id)` stays transformers' own (weights, config, remote code, a generic card). `osprey push --space DIR --repo-id ID` uploads a Gradio Space folder.
 
 Nothing local is written. A commit is atomic on the Hub, so an upload that fails (server, auth or network error)
 commits nothing, and running the same command again is the retry.
@@ -90,7 +90,7 @@ def push_drafter(
     max_shard_size: int | str = "50GB",
     **push_options,
 ) -> CommitInfo:
-    """`OspreyForDrafting.push_to_hub`: saves the drafter to a temporary directory, adds the tokenizer, alignment
+    """`osprey push` from Python: saves the drafter to a temporary directory, adds the tokenizer, alignment
     report, training record and notices of `source_dir` (default: the directory it was loaded from) and publishes
     that with [`push_drafter_folder`], which `push_options` go to."""
     if source_dir is None and os.path.isdir(drafter.name_or_path or ""):

@@ -21,9 +21,10 @@ from safetensors import safe_open
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.utils import logging
 
+from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
 from modeling_osprey.modeling_osprey import check_safetensors_checkpoint
 
-from .convert import NUM_ASSISTANT_TOKENS
+from .ground import is_notice
 
 logger = logging.get_logger(__name__)
 
@@ -127,14 +128,15 @@ def drafter_card(
     folder = Path(folder)
     config = _check_drafter_folder(folder)
     report = read_json(folder / "alignment_report.json") or {}
-    base_model = base_model or hub_model_id(report.get("target"))
+    recorded_target = config.get("target_name_or_path") or report.get("target")
+    base_model = base_model or hub_model_id(recorded_target)
     if base_model is None:
         logger.warning(
-            f"The drafter's target is not known as a Hub id (alignment report: {report.get('target')!r}), so the card "
+            f"The drafter's target is not known as a Hub id (it records {recorded_target!r}), so the card "
             "names no base_model; pass it (--base-model) to link the drafter to its target."
         )
     published = {path.name for path in publishable_files(folder, MODEL_FILES + COMPANION_FILES)}
-    notices = sorted(name for name in published if _is_notice(name))
+    notices = sorted(name for name in published if is_notice(name))
     license = license or ("gemma" if any("gemma" in name.lower() for name in notices) else "apache-2.0")
     records = load_bench_results(bench_results) if isinstance(bench_results, (str, os.PathLike)) else bench_results
     model_name = repo_id.split("/")[-1]
@@ -147,7 +149,7 @@ def drafter_card(
         model_name=model_name if records else None,
         eval_results=bench_eval_results(records, bench_method) if records else None,
     )
-    target_name = base_model or Path(report.get("target") or "").name or f"a {config.get('target_model_type')} model"
+    target_name = base_model or Path(recorded_target or "").name or f"a {config.get('target_model_type')} model"
     backbone = backbone or hub_model_id(report.get("backbone")) or Path(report.get("backbone") or "").name
     tokenizer_config = read_json(folder / "tokenizer_config.json") or {}
     template = resources.files("hub_cards").joinpath("drafter.md").read_text(encoding="utf-8")
@@ -158,6 +160,7 @@ def drafter_card(
         model_name=model_name,
         target_name=target_name,
         target_id=base_model or target_name,
+        target_name_or_path=config.get("target_name_or_path"),
         backbone_name=backbone or "a pruned pretrained model",
         pruning=report.get("pruning"),
         alignment=report.get("alignment"),
@@ -215,26 +218,18 @@ def publishable_files(folder: Path, patterns) -> list[Path]:
     return sorted(
         path
         for path in folder.iterdir()
-        if path.is_file() and (_is_notice(path.name) or any(fnmatch(path.name, pattern) for pattern in patterns))
+        if path.is_file() and (is_notice(path.name) or any(fnmatch(path.name, pattern) for pattern in patterns))
     )
 
 
-def _is_notice(name: str) -> bool:
-    name = name.lower()
-    return name.startswith(("license", "licence", "notice", "copying")) or "terms" in name
-
-
 def drafter_generation_config(folder: Path, config: dict) -> str:
-    """The folder's generation config, drafting full chains of `NUM_ASSISTANT_TOKENS` per step unless it sets its own
-    number (transformers' default of 20 growing drafts wastes drafter steps)."""
+    """The folder's generation config, with Osprey's drafting defaults (`DRAFTING_DEFAULTS`: full chains of 5) unless
+    it sets its own number of draft tokens (transformers' default of 20 growing drafts wastes drafter steps)."""
     settings = read_json(folder / "generation_config.json") or {
         key: config.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")
     }
     if "num_assistant_tokens" not in settings:
-        settings.update(
-            num_assistant_tokens=NUM_ASSISTANT_TOKENS, num_assistant_tokens_schedule="constant",
-            assistant_confidence_threshold=0.0,
-        )  # fmt: skip
+        settings.update(DRAFTING_DEFAULTS)
     return json.dumps(settings, indent=2, sort_keys=True) + "\n"
 
 

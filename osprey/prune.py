@@ -15,8 +15,6 @@ Two strategies choose the blocks:
 import argparse
 import copy
 import math
-import os
-import shutil
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -27,6 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from modeling_osprey.target_features import decoder_layers
 
+from .ground import copy_notices, require_empty_output_dir
 from .zoo import load_causal_lm, load_tokenizer, resolve_model_path
 
 
@@ -162,22 +161,6 @@ def perplexity(
     if total_tokens == 0:
         raise ValueError("The evaluation text has fewer than two tokens: perplexity is undefined.")
     return math.exp(total_loss / total_tokens)
-
-
-def require_empty_output_dir(path: str | os.PathLike) -> Path:
-    """`path` as a Path, after refusing an existing non-empty directory (or a file) that saving would clobber."""
-    path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise ValueError(f"Output {path} already exists and is not an empty directory: choose a new one, or delete it.")
-    return path
-
-
-def copy_notices(source_dir: str | os.PathLike, output_dir: str | os.PathLike) -> None:
-    """Copies license and terms files (e.g. the Gemma Terms of Use) so they travel with derived checkpoints."""
-    for path in Path(source_dir).iterdir():
-        name = path.name.lower()
-        if path.is_file() and (name.startswith(("license", "licence", "notice", "copying")) or "terms" in name):
-            shutil.copy2(path, Path(output_dir) / path.name)
 
 
 def add_subcommand(subparsers) -> None:

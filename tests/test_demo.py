@@ -1,5 +1,6 @@
-"""`osprey demo`: the compact (int8-row) drafter checkpoint round-trips within its quantization error and still
-decodes losslessly; the packaged drafter is there, small and loadable; the CLI runs end to end and refuses bad input."""
+"""`osprey demo` and the packed (int8-row) drafter format: packing round-trips within its quantization error and
+still decodes losslessly; the packaged drafter is there, small, names its target and loads; the CLI runs end to end
+and refuses bad input."""
 
 import json
 
@@ -10,14 +11,8 @@ from test_decoding import plain_greedy, prompt
 
 from osprey.cli import main
 from osprey.decode import speculative_generate
-from osprey.demo import (
-    COMPACT_WEIGHTS,
-    DEMO_CONFIDENCE_THRESHOLD,
-    DEMO_DRAFTER_DIR,
-    DEMO_PROMPTS,
-    load_compact_drafter,
-    pack_compact_drafter,
-)
+from osprey.demo import DEMO_CONFIDENCE_THRESHOLD, DEMO_DRAFTER_DIR, DEMO_PROMPTS
+from osprey.pack import PACKED_WEIGHTS, load_drafter, pack_drafter
 
 
 @pytest.fixture
@@ -26,14 +21,16 @@ def packed(models, tmp_path):  # noqa: F811
     drafter.save_pretrained(tmp_path / "drafter")
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
-    pack_compact_drafter(tmp_path / "drafter", tmp_path / "packed", target=str(tmp_path / "target"))
+    pack_drafter(tmp_path / "drafter", tmp_path / "packed", target_name_or_path=str(tmp_path / "target"))
     return target, drafter, tmp_path
 
 
-def test_compact_checkpoint_round_trips_within_int8_row_error(packed):
+def test_packed_drafter_round_trips_within_int8_row_error(packed):
     _, drafter, tmp_path = packed
-    restored = load_compact_drafter(tmp_path / "packed")
-    assert restored.config.to_dict() == drafter.config.to_dict()
+    restored = load_drafter(tmp_path / "packed")
+    assert restored.config.target_name_or_path == str(tmp_path / "target")
+    restored.config.target_name_or_path = drafter.config.target_name_or_path
+    assert restored.config.to_diff_dict() | {"_name_or_path": ""} == drafter.config.to_diff_dict() | {"_name_or_path": ""}
     original = drafter.state_dict()
     quantized = 0
     for name, tensor in restored.state_dict().items():
@@ -49,17 +46,18 @@ def test_compact_checkpoint_round_trips_within_int8_row_error(packed):
 
 def test_dequantized_drafter_decodes_losslessly(packed):
     target, _, tmp_path = packed
-    drafter = load_compact_drafter(tmp_path / "packed")
+    drafter = load_drafter(tmp_path / "packed")
     input_ids = prompt(9, 1)
     output, stats = speculative_generate(target, drafter, input_ids, max_new_tokens=30)
     assert torch.equal(output, plain_greedy(target, input_ids, 30))
     assert sum(stats.accepted_per_step) > 0
 
 
-def test_demo_cli_runs_target_and_drafter_on_the_demo_prompts(packed, tmp_path, capsys):
+def test_demo_cli_runs_the_target_the_drafter_names(packed, tmp_path, capsys):
     output = tmp_path / "demo" / "results.json"
     assert main(["demo", "--drafter", str(tmp_path / "packed"), "--max-new-tokens", "6", "--output", str(output)]) == 0
     results = json.loads(output.read_text())
+    assert results["target"] == str(tmp_path / "target")  # picked from the drafter's config
     assert results["settings"]["confidence_threshold"] == DEMO_CONFIDENCE_THRESHOLD > 0  # the demo stops early
     assert {row["method"] for row in results["requests"]} == {"target", "osprey"}
     assert {row["prompt_id"] for row in results["requests"]} == {p.prompt_id for p in DEMO_PROMPTS}
@@ -67,27 +65,26 @@ def test_demo_cli_runs_target_and_drafter_on_the_demo_prompts(packed, tmp_path, 
     assert "| osprey |" in printed and "| target |" in printed
 
 
-def test_demo_refuses_bad_input(packed, tmp_path, capsys):
-    target, drafter, _ = packed
-    with pytest.raises(ValueError, match="osprey demo --pack"):
-        load_compact_drafter(tmp_path / "drafter")  # a regular drafter directory
-    assert main(["demo", "--pack", str(tmp_path / "drafter"), "--output", str(tmp_path / "again")]) == 2
-    assert "--target" in capsys.readouterr().err
-    assert main(["demo", "--pack", str(tmp_path / "drafter"), "--output", str(tmp_path / "packed"),
+def test_pack_and_demo_refuse_bad_input(packed, tmp_path, capsys):
+    _, drafter, _ = packed
+    assert drafter.config.target_name_or_path is None  # built in memory: no recorded target
+    assert main(["pack", "--drafter", str(tmp_path / "drafter"), "--output", str(tmp_path / "again")]) == 2
+    assert "--target" in capsys.readouterr().err and not (tmp_path / "again").exists()
+    assert main(["pack", "--drafter", str(tmp_path / "drafter"), "--output", str(tmp_path / "packed"),
                  "--target", "x"]) == 2  # fmt: skip
     assert "not an empty directory" in capsys.readouterr().err  # nothing saved is overwritten
-    (tmp_path / "packed" / "demo.json").unlink()
-    assert main(["demo", "--drafter", str(tmp_path / "packed")]) == 2
+    assert main(["demo", "--drafter", str(tmp_path / "drafter")]) == 2  # names no target
     assert "--target" in capsys.readouterr().err
+    assert main(["unpack", "--drafter", str(tmp_path / "drafter"), "--output", str(tmp_path / "out")]) == 2
+    assert "not a packed drafter" in capsys.readouterr().err
 
 
-def test_packaged_drafter_is_small_and_loads():
+def test_packaged_drafter_is_small_names_its_target_and_loads():
     files = {path.name: path.stat().st_size for path in DEMO_DRAFTER_DIR.iterdir()}
-    assert COMPACT_WEIGHTS in files and "demo.json" in files and "README.md" in files
+    assert PACKED_WEIGHTS in files and "README.md" in files
     assert sum(files.values()) <= 50 * 2**20
-    drafter = load_compact_drafter()
-    target = json.loads((DEMO_DRAFTER_DIR / "demo.json").read_text())["target"]
-    assert target == "smollm2-135m-instruct" and drafter.config.vocab_size == 49152
+    drafter = load_drafter(DEMO_DRAFTER_DIR)
+    assert drafter.config.target_name_or_path == "smollm2-135m-instruct" and drafter.config.vocab_size == 49152
     assert drafter.config.draft_vocab_size < drafter.config.vocab_size
 
 

@@ -1,4 +1,4 @@
-"""Publishing to the Hub (`osprey push`, `drafter.push_to_hub`), over real HTTP against the local fake Hub of
+"""Publishing to the Hub (`osprey push`, `osprey.hub.push_drafter`), over real HTTP against the local fake Hub of
 `hub_server.py`: what is uploaded, the generated model card, loading the drafter back with remote code, and that
 failed uploads change nothing local and say what to retry."""
 
@@ -22,6 +22,7 @@ from test_vocab_alignment import byte_level_tokenizer, metaspace_tokenizer
 from osprey import OspreyForDrafting, zoo
 from osprey.cli import main
 from osprey.convert import convert
+from osprey.hub import push_drafter
 from osprey.model_card import TAGS, ZOO_HUB_IDS, drafter_card, hub_model_id
 
 TARGET_ID = "acme/tiny-gemma"
@@ -199,9 +200,9 @@ def load_in_fresh_python(endpoint: str, repo_id: str, drafter: OspreyForDrafting
     return remote
 
 
-def test_drafter_push_to_hub_publishes_the_osprey_card_with_the_tokenizer(hub, drafter_dir, bench_path):
+def test_push_drafter_publishes_the_osprey_card_with_the_tokenizer(hub, drafter_dir, bench_path):
     drafter = OspreyForDrafting.from_pretrained(drafter_dir)
-    drafter.push_to_hub("pushed-from-python", private=True, bench_results=bench_path)
+    push_drafter(drafter, "pushed-from-python", private=True, bench_results=bench_path)
     repo_id = f"{FakeHub.USER}/pushed-from-python"  # no namespace given: the token's user
     files = hub.files(repo_id)
     assert hub.repos["model", repo_id].private

@@ -14,7 +14,8 @@ from test_decoding import near_copy_pair, random_drafter
 from test_vocab_alignment import byte_level_tokenizer
 
 from osprey.decode import speculative_generate
-from osprey.demo import DEMO_DRAFTER_DIR, load_compact_drafter, pack_compact_drafter
+from osprey.demo import DEMO_DRAFTER_DIR
+from osprey.pack import load_drafter, pack_drafter
 
 # space/ is the Space's root folder, not a package: its modules import each other by plain name.
 SPACE_DIR = Path(__file__).resolve().parents[1] / "space"
@@ -132,16 +133,17 @@ def test_catalog_refuses_a_drafter_converted_for_another_target(tiny_models):
     target, tokenizer, _ = tiny_models
     other = random_drafter(target, vocab_size=300)
     catalog = ModelCatalog({"tiny": TargetChoice(lambda: (target, tokenizer), {"other": lambda: other})})
-    with pytest.raises(gr.Error, match="converted for another target than 'tiny'.*fix the Space's models.json"):
+    with pytest.raises(gr.Error, match="Drafter 'other' does not fit target 'tiny'.*vocab_size 256.*Fix the Space"):
         next(OspreySpace(catalog, LIMITS).generate(PROMPT, "tiny", "other", 4, 0, 8))
 
 
 def test_a_failing_generation_reaches_the_visitor_as_a_message(tiny_models):
     target, tokenizer, _ = tiny_models
-    too_deep = random_drafter(target, target_layer_ids=[1, 3, 40])  # the tiny target has 8 blocks
-    catalog = ModelCatalog({"tiny": TargetChoice(lambda: (target, tokenizer), {"deep": lambda: too_deep})})
-    with pytest.raises(gr.Error, match="Generation failed: ValueError: .*40"):
-        next(OspreySpace(catalog, LIMITS).generate(PROMPT, "tiny", "deep", 4, 0, 8))
+    broken = random_drafter(target)
+    broken.model.fc = torch.nn.Linear(7, broken.config.hidden_size)  # fits the target on paper, fails in its forward
+    catalog = ModelCatalog({"tiny": TargetChoice(lambda: (target, tokenizer), {"broken": lambda: broken})})
+    with pytest.raises(gr.Error, match="Generation failed: RuntimeError: .*7"):
+        next(OspreySpace(catalog, LIMITS).generate(PROMPT, "tiny", "broken", 4, 0, 8))
 
 
 def test_catalog_from_json_lists_only_drafters_present_on_the_server(tmp_path):
@@ -162,17 +164,18 @@ def test_catalog_from_json_lists_only_drafters_present_on_the_server(tmp_path):
         ModelCatalog.from_json(tmp_path / "models.json")
 
 
-def test_catalog_serves_a_packed_compact_drafter_like_the_packaged_demo_one(tiny_models, tmp_path):
+def test_catalog_serves_a_packed_drafter_for_the_target_it_names(tiny_models, tmp_path):
     target, tokenizer, drafter = tiny_models
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
     drafter.save_pretrained(tmp_path / "drafter")
-    pack_compact_drafter(tmp_path / "drafter", tmp_path / "packed", target=str(tmp_path / "target"))
-    spec = {"targets": {"tiny": {"model": "./target", "drafters": {"packed": "./packed"}}}}
+    pack_drafter(tmp_path / "drafter", tmp_path / "packed", target_name_or_path=str(tmp_path / "target"))
+    spec = {"targets": {"tiny": {"drafters": {"packed": "./packed"}}}}  # no `model`: the drafter names its target
     (tmp_path / "models.json").write_text(json.dumps(spec))
     catalog = ModelCatalog.from_json(tmp_path / "models.json")
-    served = catalog.load("tiny", "packed")[2]
-    expected = load_compact_drafter(tmp_path / "packed").state_dict()
+    served_target, _, served = catalog.load("tiny", "packed")
+    assert served_target.name_or_path == str(tmp_path / "target")
+    expected = load_drafter(tmp_path / "packed").state_dict()
     assert all(torch.equal(tensor, expected[name]) for name, tensor in served.state_dict().items())
     *_, last = OspreySpace(catalog, LIMITS).generate(PROMPT, "tiny", "packed", 4, 0, 12)
     final = dict(zip(OUTPUT_NAMES, last))

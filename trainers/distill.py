@@ -18,10 +18,13 @@ from transformers.cache_utils import DynamicCache
 from trl import TrlParser
 
 from modeling_osprey.target_features import extract_target_features
+from osprey.pack import load_drafter
+from osprey.zoo import load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
 from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset
-from .pretrain import cuda_bf16_available, resume_argument
+from .devices import load_target, set_device_defaults
+from .pretrain import resume_argument
 from .tokenization import tokenize_dataset
 
 
@@ -73,10 +76,7 @@ class OspreyDistillConfig(TrainingArguments):
     )
 
     def __post_init__(self):
-        if self.bf16 is None:
-            self.bf16 = cuda_bf16_available() and not self.fp16 and not self.use_cpu
-        if not torch.accelerator.is_available():  # pinning host memory only helps copies to a device
-            self.dataloader_pin_memory = False
+        set_device_defaults(self)
         super().__post_init__()
         if self.activation_checkpointing:
             raise ValueError(
@@ -274,7 +274,7 @@ class OspreyDistillTrainer(Trainer):
         )
         self.target_model = None
         if target_model is not None:
-            check_target_fits(model.config, target_model.config.get_text_config(decoder=True))
+            model.config.check_target(target_model)
             self.target_model = target_model.to(self.args.device).eval().requires_grad_(False)
         self.target_head = (
             None if self.feature_cache is None else self.feature_cache.target_head().to(self.args.device)
@@ -337,25 +337,6 @@ class OspreyDistillTrainer(Trainer):
         super().log(logs, start_time)
 
 
-def check_target_fits(drafter_config, target_config) -> None:
-    """Raises unless the drafter reads this target's token ids and hidden states."""
-    expected = {"vocab_size": drafter_config.vocab_size, "hidden_size": drafter_config.target_hidden_size}
-    for name, drafter_value in expected.items():
-        if getattr(target_config, name) != drafter_value:
-            raise ValueError(
-                f"The drafter was converted for a target with {name}={drafter_value}, but this target has "
-                f"{getattr(target_config, name)}: convert the backbone for this target with `osprey convert` first."
-            )
-
-
-def load_target(name_or_path: str, dtype: str, device_map: str | None = None) -> PreTrainedModel:
-    from osprey.zoo import load_causal_lm
-
-    if dtype == "auto":
-        dtype = "bfloat16" if cuda_bf16_available() else "float32"
-    return load_causal_lm(name_or_path, dtype=getattr(torch, dtype), device_map=device_map)
-
-
 @dataclass
 class DistillScriptArguments(DatasetArguments):
     """What to distill on what; the training itself is configured by [`OspreyDistillConfig`]."""
@@ -365,20 +346,15 @@ class DistillScriptArguments(DatasetArguments):
 
 def main(argv: list[str] | None = None) -> int:
     """`osprey distill`: `--config config.yaml` and/or flags, see `osprey distill --help`."""
-    from transformers import AutoTokenizer
-
-    from modeling_osprey import OspreyForDrafting
-    from osprey.zoo import load_tokenizer
-
     parser = TrlParser((DistillScriptArguments, OspreyDistillConfig), prog="osprey distill", description=__doc__)
     script_args, config = parser.parse_args_and_config(argv)
     if script_args.drafter is None:
         raise ValueError("Pass --drafter, the drafter directory written by `osprey convert`.")
-    drafter = OspreyForDrafting.from_pretrained(script_args.drafter)
+    drafter = load_drafter(script_args.drafter)
     train_split, test_split = script_args.dataset_train_split, script_args.dataset_test_split
     evaluate = config.eval_strategy != "no"
     if config.feature_cache is not None:
-        tokenizer = AutoTokenizer.from_pretrained(script_args.drafter)
+        tokenizer = load_tokenizer(script_args.drafter)
         train_dataset = FeatureCacheDataset(config.feature_cache, train_split)
         has_test = test_split in train_dataset.index["splits"]
         eval_dataset = FeatureCacheDataset(config.feature_cache, test_split) if evaluate and has_test else None

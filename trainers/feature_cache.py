@@ -37,9 +37,12 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from modeling_osprey.target_features import TargetFeatureCapture
+from modeling_osprey.target_features import TargetFeatureCapture, default_target_layer_ids
+from osprey.zoo import load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
+from .devices import load_target
+from .tokenization import tokenize_dataset
 
 
 CACHE_FORMAT = 1
@@ -303,25 +306,15 @@ class FeatureCacheDataset(torch.utils.data.Dataset):
         return TargetHead(state["weight"], state.get("bias"), self.index["final_logit_softcapping"])
 
     def check_drafter(self, drafter_config) -> None:
-        """Raises unless a drafter with `drafter_config` reads exactly the features this cache holds."""
-        target = self.index["target"]
-        expected = {
-            "target_layer_ids": self.index["target_layer_ids"],
-            "target_hidden_size": target["hidden_size"],
-            "vocab_size": target["vocab_size"],
-        }
-        mismatched = {name: value for name, value in expected.items() if _config_value(drafter_config, name) != value}
-        if mismatched:
+        """Raises unless a drafter with `drafter_config` reads exactly the features this cache holds: the cache's
+        target must fit it (`OspreyConfig.check_target`) and its taps be the drafter's."""
+        try:
+            drafter_config.check_target(self.index["target"], target_layer_ids=self.index["target_layer_ids"])
+        except ValueError as error:
             raise ValueError(
-                f"Feature cache {self.path} was built from {target['name_or_path']} with {expected}, but the drafter "
-                f"has { ({name: getattr(drafter_config, name) for name in mismatched}) }: build a cache with the "
-                "drafter's `target_layer_ids` for its target."
-            )
-
-
-def _config_value(config, name: str):
-    value = getattr(config, name)
-    return list(value) if isinstance(value, (list, tuple)) else value
+                f"Feature cache {self.path} does not fit this drafter: {error} To distill from a cache, build one "
+                "with the drafter's `target_layer_ids` for its target (`osprey features`)."
+            ) from error
 
 
 @dataclass
@@ -350,12 +343,6 @@ class FeatureCacheArguments(DatasetArguments):
 def main(argv: list[str] | None = None) -> int:
     """`osprey features`: `--config config.yaml` and/or flags, see `osprey features --help`."""
     from trl import TrlParser
-
-    from modeling_osprey.target_features import default_target_layer_ids
-    from osprey.zoo import load_tokenizer
-
-    from .distill import load_target
-    from .tokenization import tokenize_dataset
 
     parser = TrlParser([FeatureCacheArguments], prog="osprey features", description=__doc__)
     (args,) = parser.parse_args_and_config(argv)

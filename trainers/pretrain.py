@@ -15,11 +15,10 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from trl import SFTConfig, SFTTrainer, TrlParser
 
+from osprey.zoo import load_causal_lm, load_tokenizer
+
 from .data import DatasetArguments, load_text_dataset
-
-
-def cuda_bf16_available() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+from .devices import set_device_defaults
 
 
 @dataclass
@@ -57,10 +56,7 @@ class OspreyPretrainConfig(SFTConfig):
     )
 
     def __post_init__(self):
-        if self.bf16 is None:
-            self.bf16 = cuda_bf16_available() and not self.fp16 and not self.use_cpu
-        if not torch.accelerator.is_available():  # pinning host memory only helps copies to a device
-            self.dataloader_pin_memory = False
+        set_device_defaults(self)
         if self.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}.")
         super().__post_init__()
@@ -80,8 +76,6 @@ class OspreyPretrainer(SFTTrainer):
         super().__init__(model, args=args, **kwargs)
         parent_model = parent_model if parent_model is not None else self.args.parent_model
         if isinstance(parent_model, str):
-            from osprey.zoo import load_causal_lm
-
             parent_model = load_causal_lm(parent_model, dtype=torch.bfloat16 if self.args.bf16 else torch.float32)
         if parent_model is not None:
             parent_vocab = parent_model.config.get_text_config().vocab_size
@@ -139,8 +133,6 @@ class PretrainScriptArguments(DatasetArguments):
 
 def main(argv: list[str] | None = None) -> int:
     """`osprey pretrain`: `--config config.yaml` and/or flags, see `osprey pretrain --help`."""
-    from osprey.zoo import load_causal_lm, load_tokenizer
-
     parser = TrlParser((PretrainScriptArguments, OspreyPretrainConfig), prog="osprey pretrain", description=__doc__)
     script_args, config = parser.parse_args_and_config(argv)
     if script_args.model_name_or_path is None or script_args.dataset_name is None:

@@ -1,0 +1,165 @@
+"""Drafter loading, and the packed drafter format: one loader for every drafter directory Osprey accepts.
+
+`load_drafter(name_or_path)` is how every command (`osprey decode`, `bench`, `demo`, `distill`, `export`, `baseline`)
+and the Space load a drafter: a checkpoint directory or Hub id written by `save_pretrained`, or a *packed* directory
+written by `osprey pack` (`pack_drafter`). It always builds the installed `OspreyForDrafting`, never the
+modeling files copied beside the weights, so the package's code is what runs.
+
+A packed drafter stores every weight matrix as int8 with one float32 scale per row (symmetric absmax), everything else
+as it is, plus the usual `config.json` and `generation_config.json`: a trained drafter ships in a quarter of the
+space. Verification stays lossless with a quantized drafter: only how often drafts are accepted can change.
+`osprey unpack --drafter DIR --output OUT` (`unpack_drafter`) turns it back into an ordinary checkpoint that
+`AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)` loads without this package.
+
+What the packed format stores is decided by `pack_state_dict` and read back by `unpack_state_dict`; the rest of this
+module goes through those two.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from modeling_osprey import OspreyConfig, OspreyForDrafting
+
+from .ground import require_empty_output_dir
+from .zoo import resolve_model_path
+
+
+PACKED_WEIGHTS = "drafter-int8.safetensors"
+PACKED_FORMAT = "osprey-int8-rows"
+SCALE_SUFFIX = ".int8_row_scale"
+# Records that travel with a drafter: how its vocabulary was aligned and how it was trained (for the model card).
+COMPANION_RECORDS = ("alignment_report.json", "trainer_state.json")
+
+
+def is_packed(directory: str | os.PathLike) -> bool:
+    """Whether `directory` holds a packed drafter (`pack_drafter`) rather than a `save_pretrained` checkpoint."""
+    return (Path(directory) / PACKED_WEIGHTS).is_file()
+
+
+def pack_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors a packed drafter stores: int8 rows plus a scale per row for every floating-point matrix, every
+    other tensor (norms, the draft-to-target id map) unchanged."""
+    tensors = {}
+    for name, tensor in state_dict.items():
+        if tensor.is_floating_point() and tensor.dim() == 2:
+            tensor = tensor.float()
+            scale = tensor.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+            tensors[name] = torch.round(tensor / scale).to(torch.int8)
+            tensors[name + SCALE_SUFFIX] = scale.squeeze(1)
+        else:
+            tensors[name] = tensor.contiguous()
+    return tensors
+
+
+def unpack_state_dict(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The drafter's state dict from the tensors `pack_state_dict` stored, matrices dequantized to float32."""
+    state_dict = {}
+    for name, tensor in tensors.items():
+        if name.endswith(SCALE_SUFFIX):
+            continue
+        scale = tensors.get(name + SCALE_SUFFIX)
+        state_dict[name] = tensor.float() * scale[:, None] if scale is not None else tensor
+    return state_dict
+
+
+def pack_drafter(
+    drafter: str | os.PathLike, output_dir: str | os.PathLike, target_name_or_path: str | None = None
+) -> Path:
+    """Writes the drafter `drafter` (anything `load_drafter` accepts) packed to `output_dir` (new or empty): int8
+    weights, config, generation config, and its alignment report and training record. `target_name_or_path`
+    records the target in the config when the drafter does not name it yet (drafters converted before it was
+    recorded); the packed drafter must name its target, which demos load."""
+    output_dir = require_empty_output_dir(output_dir)
+    model = load_drafter(drafter, dtype=torch.float32)
+    if target_name_or_path is not None:
+        model.config.target_name_or_path = target_name_or_path
+    if not model.config.target_name_or_path:
+        raise ValueError(
+            f"{drafter} does not record the target it was converted for: pass it (--target, a zoo name or Hub id)."
+        )
+    output_dir.mkdir(parents=True, exist_ok=True)
+    save_file(pack_state_dict(model.state_dict()), output_dir / PACKED_WEIGHTS, metadata={"format": PACKED_FORMAT})
+    model.config.to_json_file(output_dir / "config.json")  # JSON only: the loader provides the code
+    model.generation_config.save_pretrained(output_dir)
+    _copy_companions(model.name_or_path, output_dir)
+    return output_dir
+
+
+def unpack_drafter(packed_dir: str | os.PathLike, output_dir: str | os.PathLike) -> Path:
+    """Writes the packed drafter in `packed_dir` as an ordinary checkpoint to `output_dir` (new or empty):
+    safetensors weights, the config with `auto_map` and the remote-code files, the generation config and its
+    records, so that it loads with `AutoModelForCausalLM.from_pretrained(output_dir, trust_remote_code=True)`."""
+    if not is_packed(packed_dir):
+        raise ValueError(
+            f"{packed_dir} holds no {PACKED_WEIGHTS}, so it is not a packed drafter (`osprey pack`); an "
+            "ordinary drafter directory needs no unpacking."
+        )
+    output_dir = require_empty_output_dir(output_dir)
+    load_drafter(packed_dir, dtype=torch.float32).save_pretrained(output_dir)
+    _copy_companions(packed_dir, output_dir)
+    return output_dir
+
+
+def load_drafter(
+    name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None
+) -> OspreyForDrafting:
+    """The drafter in a checkpoint directory, a Hub repo or a packed directory, as the installed `OspreyForDrafting`
+    in `dtype` (on `device` if given), in eval mode. The one loader: every command and the Space use it."""
+    directory = Path(resolve_model_path(name_or_path)) if not is_packed(name_or_path) else Path(name_or_path)
+    if is_packed(directory):
+        config = OspreyConfig.from_pretrained(directory)
+        drafter = OspreyForDrafting(config)
+        drafter.load_state_dict(unpack_state_dict(load_file(directory / PACKED_WEIGHTS)), strict=True)
+        drafter.generation_config = drafter.generation_config.from_pretrained(directory)
+        drafter.name_or_path = drafter.config.name_or_path = str(directory)
+    else:
+        _check_is_drafter(directory)
+        drafter = OspreyForDrafting.from_pretrained(directory, dtype=dtype)
+    drafter = drafter.to(dtype=dtype) if device is None else drafter.to(device=device, dtype=dtype)
+    return drafter.eval()
+
+
+def _check_is_drafter(directory: Path) -> None:
+    config = OspreyConfig.get_config_dict(directory)[0]
+    if config.get("model_type") != OspreyConfig.model_type:
+        raise ValueError(
+            f"{directory} holds a {config.get('model_type')!r} model, not an Osprey drafter: make one for your target "
+            "with `osprey convert --backbone ... --target ...`."
+        )
+
+
+def _copy_companions(source_dir, output_dir: Path) -> None:
+    if source_dir and Path(source_dir).is_dir():
+        for name in COMPANION_RECORDS:
+            if (Path(source_dir) / name).is_file():
+                shutil.copy2(Path(source_dir) / name, output_dir / name)
+
+
+def add_subcommand(subparsers) -> None:
+    """Adds `osprey pack` and `osprey unpack` to the CLI (see `osprey.cli`)."""
+    parser = subparsers.add_parser("pack", help="write a drafter as a packed (int8-row) drafter, a quarter of the size")
+    parser.add_argument("--drafter", required=True, help="drafter directory or Hub id")
+    parser.add_argument("--output", required=True, help="new (or empty) directory for the packed drafter")
+    parser.add_argument("--target", help="record the target (zoo name or Hub id) if the drafter does not name it")
+    parser.set_defaults(run=_run_pack)
+    parser = subparsers.add_parser("unpack", help="write a packed drafter as an ordinary transformers checkpoint")
+    parser.add_argument("--drafter", required=True, help="packed drafter directory, e.g. osprey/demo_drafter")
+    parser.add_argument("--output", required=True, help="new (or empty) directory for the checkpoint")
+    parser.set_defaults(run=_run_unpack)
+
+
+def _run_pack(args) -> int:
+    output = pack_drafter(args.drafter, args.output, args.target)
+    size = sum(path.stat().st_size for path in output.iterdir())
+    print(f"packed {args.drafter} to {output} ({size / 2**20:.1f} MiB)")
+    return 0
+
+
+def _run_unpack(args) -> int:
+    output = unpack_drafter(args.drafter, args.output)
+    print(f"unpacked {args.drafter} to {output}; load it with AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)")
+    return 0
