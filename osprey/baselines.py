@@ -66,6 +66,7 @@ def eagle3_config(reference: OspreyConfig, target_config) -> OspreyConfig:
         target_hidden_size=reference.target_hidden_size,
         target_layer_ids=reference.target_layer_ids,
         target_model_type=reference.target_model_type,
+        target_name_or_path=reference.target_name_or_path,
         residual_stream="features",
         bos_token_id=reference.bos_token_id,
         eos_token_id=reference.eos_token_id,
@@ -103,6 +104,7 @@ def build_baseline(
     if kind == "scratch":
         drafter = scratch_drafter(reference, seed)
     else:
+        target = target or reference.config.target_name_or_path
         if target is None:
             raise ValueError("The eagle3 baseline copies the target's embedding: pass the target (`--target`).")
         drafter = eagle3_drafter(reference, zoo.resolve_model_path(target), seed)
@@ -123,15 +125,19 @@ def add_subcommand(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     parser.add_argument("kind", choices=BASELINES)
-    parser.add_argument("--like", required=True, help="the Osprey drafter directory the control is matched to")
-    parser.add_argument("--target", help="the target (zoo name or directory): eagle3 copies its embedding")
+    parser.add_argument(
+        "--drafter", "--like", required=True, help="the Osprey drafter directory the control is matched to"
+    )
+    parser.add_argument(
+        "--target", help="the target (zoo name or directory) whose embedding eagle3 copies (default: the drafter's)"
+    )
     parser.add_argument("--output", required=True, help="new (or empty) directory for the control drafter")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(run=_run_baseline)
 
 
 def _run_baseline(args) -> int:
-    drafter = build_baseline(args.kind, args.like, args.output, target=args.target, seed=args.seed)
+    drafter = build_baseline(args.kind, args.drafter, args.output, target=args.target, seed=args.seed)
     trainable = sum(p.numel() for name, p in drafter.named_parameters() if "embed_tokens" not in name)
     print(f"saved the {args.kind} control to {args.output} ({trainable / 1e6:.1f}M parameters besides the embedding)")
     return 0

@@ -265,9 +265,7 @@ def add_subcommand(subparsers) -> None:
         "export", help="write a drafter as an EAGLE-3 checkpoint for vLLM (speculators) or SGLang",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    parser.add_argument(
-        "drafter", metavar="DRAFTER_DIR", help="drafter directory (osprey convert / distill / baseline)"
-    )
+    parser.add_argument("--drafter", required=True, help="drafter directory (osprey convert / distill / baseline)")
     parser.add_argument("--format", required=True, choices=FORMATS, dest="export_format")
     parser.add_argument("--output", required=True, help="new (or empty) directory for the exported checkpoint")
     parser.add_argument("--target", help="the target (zoo name, directory or Hub id): verifier name, embedding check")

@@ -1,6 +1,6 @@
 """Publish an adapted drafter to the Hugging Face Hub with a generated model card, or a Gradio Space.
 
-`osprey push DIR --repo-id ID` uploads a drafter directory (written by `osprey convert` or `osprey distill`) in one
+`osprey push --drafter DIR --repo-id ID` uploads a drafter directory (written by `osprey convert` or `osprey distill`) in one
 commit: the safetensors weights, the config with `auto_map` and the remote-code files it names (so the drafter loads
 with `trust_remote_code=True` without this package), a generation config drafting 5 tokens per step, the target's
 tokenizer, the alignment report, license notices and a model card rendered from `hub_cards/drafter.md`: target
@@ -176,10 +176,11 @@ def add_subcommand(subparsers) -> None:
         "push", help="publish a drafter (with a generated model card) or a Gradio Space to the Hub",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    parser.add_argument("folder", metavar="DIR", help="drafter directory (osprey convert/distill), or a Space folder")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--drafter", metavar="DIR", help="drafter directory (osprey convert / distill)")
+    what.add_argument("--space", metavar="DIR", help="Gradio Space folder (app.py, README.md)")
     parser.add_argument("--repo-id", required=True, help="Hub repository, e.g. you/osprey-drafter (no namespace: you)")
     parser.add_argument("--private", action="store_true", help="create the repository private (if it is new)")
-    parser.add_argument("--space", action="store_true", help="DIR is a Gradio Space folder (app.py, README.md)")
     card = parser.add_argument_group("model card (drafters only)")
     card.add_argument("--bench-results", metavar="JSON", help="`osprey bench` results, published as eval results")
     card.add_argument(
@@ -197,17 +198,17 @@ def _run_push(args) -> int:
     private = True if args.private else None  # None: the namespace's default visibility
     try:
         if args.space:
-            commit = push_space(args.folder, args.repo_id, private=private)
+            commit = push_space(args.space, args.repo_id, private=private)
         else:
             commit = push_drafter_folder(
-                args.folder, args.repo_id, private=private, bench_results=args.bench_results,
+                args.drafter, args.repo_id, private=private, bench_results=args.bench_results,
                 bench_method=args.bench_method, base_model=args.base_model, backbone=args.backbone,
                 license=args.license,
             )  # fmt: skip
     except HubPushError as error:
         print(f"osprey push: error: {error}", file=sys.stderr)
         return 1
-    print(f"published {args.folder} to {commit.repo_url} (commit {commit.oid[:10]})")
+    print(f"published {args.space or args.drafter} to {commit.repo_url} (commit {commit.oid[:10]})")
     return 0
 
 

@@ -25,6 +25,7 @@ from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
 from modeling_osprey.modeling_osprey import check_safetensors_checkpoint
 
 from .ground import is_notice
+from .pack import is_packed
 
 logger = logging.get_logger(__name__)
 
@@ -185,7 +186,7 @@ def _check_drafter_folder(folder: Path) -> dict:
         raise ValueError(f"{folder} is not a directory: pass the drafter directory of `osprey convert` or `distill`.")
     config = read_json(folder / "config.json")
     if config is None:
-        space_hint = " For a Gradio Space folder, pass --space." if (folder / "app.py").is_file() else ""
+        space_hint = " For a Gradio Space folder, pass it as --space." if (folder / "app.py").is_file() else ""
         raise ValueError(
             f"{folder} has no config.json, so it is not a saved drafter: pass the directory written by "
             f"`osprey convert` or `osprey distill`.{space_hint}"
@@ -194,6 +195,11 @@ def _check_drafter_folder(folder: Path) -> dict:
         raise ValueError(
             f"{folder} holds a {config.get('model_type')!r} model, not an Osprey drafter: turn it into one for your "
             "target with `osprey convert` and publish that."
+        )
+    if is_packed(folder):
+        raise ValueError(
+            f"{folder} is a packed drafter, which only Osprey reads: write it as an ordinary checkpoint with "
+            f"`osprey unpack --drafter {folder} --output NEW_DIR` and publish that."
         )
     check_safetensors_checkpoint(folder)
     modules = sorted({reference.split(".")[0] for reference in (config.get("auto_map") or {}).values()})

@@ -169,7 +169,9 @@ def add_subcommand(subparsers) -> None:
         "prune", help="keep N decoder blocks of a small pretrained LM (stage 1)", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    parser.add_argument("--model", required=True, help="zoo name, local checkpoint directory or Hub repo id")
+    parser.add_argument(
+        "--backbone", "--model", required=True, help="the small LM to prune: zoo name, checkpoint directory or Hub id"
+    )
     parser.add_argument("--num-layers", type=int, required=True, help="number of decoder blocks to keep")
     parser.add_argument("--output", required=True, help="new (or empty) directory for the pruned checkpoint")
     parser.add_argument("--strategy", choices=STRATEGIES, default="first", help="how to choose the blocks")
@@ -185,7 +187,7 @@ def _run_prune(args) -> int:
     if args.strategy == "block-influence" and not args.calibration_file:
         raise ValueError("--strategy block-influence needs --calibration-file FILE (plain text to score blocks on).")
     calibration = [Path(args.calibration_file).read_text(encoding="utf-8")] if args.calibration_file else None
-    source_dir = resolve_model_path(args.model)
+    source_dir = resolve_model_path(args.backbone)
     tokenizer = load_tokenizer(source_dir)
     model = load_causal_lm(source_dir).eval()
     pruned = prune(model, args.num_layers, args.strategy, calibration_texts=calibration, tokenizer=tokenizer)

@@ -100,7 +100,7 @@ def test_cli_builds_the_scratch_control_and_never_overwrites(saved_reference_and
     _, reference, root = saved_reference_and_target
     parser = argparse.ArgumentParser()
     baselines_module.add_subcommand(parser.add_subparsers())
-    args = parser.parse_args(["baseline", "scratch", "--like", str(root / "osprey"), "--output", str(root / "s")])
+    args = parser.parse_args(["baseline", "scratch", "--drafter", str(root / "osprey"), "--output", str(root / "s")])
     assert args.run(args) == 0 and "saved the scratch control" in capsys.readouterr().out
     scratch = OspreyForDrafting.from_pretrained(root / "s")
     assert torch.equal(scratch.lm_head.weight, reference.lm_head.weight)

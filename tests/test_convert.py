@@ -161,6 +161,7 @@ def test_converted_drafter_is_saved_with_everything_needed(tmp_path):
     assert isinstance(reloaded, OspreyForDrafting) and reloaded.config.use_qk_norm
     assert all(torch.equal(tensor, reloaded.state_dict()[name]) for name, tensor in drafter.state_dict().items())
     assert reloaded.generation_config.num_assistant_tokens == 5
+    assert reloaded.config.target_name_or_path == str(target_dir)  # the target as it was named, for demos and checks
     assert json.loads((output / "alignment_report.json").read_text()) == json.loads(json.dumps(report))
     assert report["target_model_type"] == "gemma3_text" and report["backbone_model_type"] == "qwen3"
     with pytest.raises(ValueError, match="not an empty directory"):

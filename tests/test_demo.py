@@ -77,6 +77,8 @@ def test_pack_and_demo_refuse_bad_input(packed, tmp_path, capsys):
     assert "--target" in capsys.readouterr().err
     assert main(["unpack", "--drafter", str(tmp_path / "drafter"), "--output", str(tmp_path / "out")]) == 2
     assert "not a packed drafter" in capsys.readouterr().err
+    assert main(["push", "--drafter", str(tmp_path / "packed"), "--repo-id", "you/packed"]) == 2  # before any upload
+    assert "osprey unpack" in capsys.readouterr().err
 
 
 def test_packaged_drafter_is_small_names_its_target_and_loads():

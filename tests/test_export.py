@@ -319,7 +319,7 @@ def test_cli_exports_a_saved_drafter_with_its_license(tmp_path, capsys):
     (drafter_dir / "LICENSE").write_text("terms")
     parser = argparse.ArgumentParser()
     export_module.add_subcommand(parser.add_subparsers())
-    args = parser.parse_args(["export", str(drafter_dir), "--format", "speculators", "--output", str(tmp_path / "out")])
+    args = parser.parse_args(["export", "--drafter", str(drafter_dir), "--format", "speculators", "--output", str(tmp_path / "out")])
     assert args.run(args) == 0 and "exported" in capsys.readouterr().out
     assert {path.name for path in (tmp_path / "out").iterdir()} == {"config.json", "model.safetensors", "LICENSE"}
     config = json.loads((tmp_path / "out" / "config.json").read_text())

@@ -125,6 +125,7 @@ def assert_card_describes_the_drafter(card: ModelCard, bench_path, repo_id: str)
     }
     assert f'AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True' in card.text
     assert "drafter.attach_target(target)" in card.text and "assistant_model=drafter" in card.text
+    assert f"`target_name_or_path: {TARGET_ID}`" in card.text  # the target the drafter records (from its config)
 
 
 def test_card_names_target_backbone_alignment_training_and_results(drafter_dir, bench_path):
@@ -143,7 +144,7 @@ def test_card_names_target_backbone_alignment_training_and_results(drafter_dir, 
 def test_push_publishes_a_drafter_that_loads_back_with_remote_code(hub, drafter_dir, bench_path, tmp_path, capsys):
     before = snapshot(drafter_dir)
     repo_id = "osprey-tester/tiny-drafter"
-    assert main(["push", str(drafter_dir), "--repo-id", repo_id, "--bench-results", str(bench_path)]) == 0
+    assert main(["push", "--drafter", str(drafter_dir), "--repo-id", repo_id, "--bench-results", str(bench_path)]) == 0
     assert repo_id in capsys.readouterr().out
     assert snapshot(drafter_dir) == before
 
@@ -239,7 +240,7 @@ def test_failed_upload_changes_nothing_and_says_what_to_retry(
     repo_id = f"osprey-tester/retry-{request.node.callspec.id}"
     before = snapshot(drafter_dir)
     expected = break_upload(hub, monkeypatch)
-    assert main(["push", str(drafter_dir), "--repo-id", repo_id, "--base-model", TARGET_ID]) == 1
+    assert main(["push", "--drafter", str(drafter_dir), "--repo-id", repo_id, "--base-model", TARGET_ID]) == 1
     message = capsys.readouterr().err
     assert "No files were committed and nothing local was changed" in message and "push again" in message
     assert all(part in message for part in expected), message
@@ -248,7 +249,7 @@ def test_failed_upload_changes_nothing_and_says_what_to_retry(
 
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)  # the cause is fixed: the same command now publishes
     monkeypatch.setenv("HF_TOKEN", FakeHub.TOKEN)
-    assert main(["push", str(drafter_dir), "--repo-id", repo_id, "--base-model", TARGET_ID]) == 0
+    assert main(["push", "--drafter", str(drafter_dir), "--repo-id", repo_id, "--base-model", TARGET_ID]) == 0
     assert hub.files(repo_id)["model.safetensors"] == before["model.safetensors"]
 
 
@@ -281,7 +282,7 @@ def test_folders_that_would_not_load_from_the_hub_are_refused(hub, drafter_dir, 
     folder = tmp_path / "drafter"
     shutil.copytree(drafter_dir, folder)
     expected = spoil(folder)
-    assert main(["push", str(folder), "--repo-id", "osprey-tester/refused"]) == 2
+    assert main(["push", "--drafter", str(folder), "--repo-id", "osprey-tester/refused"]) == 2
     assert expected in capsys.readouterr().err
     assert ("model", "osprey-tester/refused") not in hub.repos
 
@@ -299,7 +300,7 @@ def test_folders_that_would_not_load_from_the_hub_are_refused(hub, drafter_dir, 
 def test_bad_bench_results_are_explained(hub, drafter_dir, tmp_path, capsys, records, message):
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps(records))
-    assert main(["push", str(drafter_dir), "--repo-id", "osprey-tester/refused", "--bench-results", str(bench)]) == 2
+    assert main(["push", "--drafter", str(drafter_dir), "--repo-id", "osprey-tester/refused", "--bench-results", str(bench)]) == 2
     assert message in capsys.readouterr().err
     assert ("model", "osprey-tester/refused") not in hub.repos
 

@@ -143,7 +143,7 @@ def test_cli_saves_model_tokenizer_and_prints_perplexities(tiny_target_factory, 
     (source / "LICENSE").write_text("terms that travel with derived checkpoints")
     (tmp_path / "calibration.txt").write_text(TEXT)
     output = tmp_path / "pruned"
-    arguments = ["--model", str(source), "--num-layers", "2", "--output", str(output), "--strategy", "block-influence"]
+    arguments = ["--backbone", str(source), "--num-layers", "2", "--output", str(output), "--strategy", "block-influence"]
     text_file = str(tmp_path / "calibration.txt")
     calibration = ["--calibration-file", text_file, "--eval-file", text_file]
     assert _cli(arguments + calibration) == 0

@@ -59,7 +59,12 @@ class OspreyDistillConfig(TrainingArguments):
             Keep the drafter's input embedding fixed, as EAGLE-3 does with the target's embedding it reuses.
     """
 
-    target_model: str | None = field(default=None, metadata={"help": "Zoo name, directory or Hub id of the target."})
+    target_model: str | None = field(
+        default=None, metadata={"help": "Zoo name, directory or Hub id of the target.", "aliases": ["--target"]}
+    )
+    output_dir: str | None = field(
+        default=None, metadata={"help": "Where checkpoints and the distilled drafter are saved.", "aliases": ["--output"]}
+    )
     target_dtype: str = field(default="auto", metadata={"help": "Live target dtype: auto, bfloat16 or float32."})
     feature_cache: str | None = field(default=None, metadata={"help": "Directory written by `osprey features`."})
     ttt_steps: int = field(default=5, metadata={"help": "Chain steps unrolled per position (training-time test)."})
@@ -244,7 +249,7 @@ class OspreyDistillTrainer(Trainer):
         target_model = target_model if target_model is not None else args.target_model
         if self.feature_cache is None:
             if target_model is None:
-                raise ValueError("Pass a `target_model` (`--target_model`), or train from a feature cache.")
+                raise ValueError("Pass a `target_model` (`--target`), or train from a feature cache.")
             if isinstance(target_model, str):
                 target_model = load_target(target_model, args.target_dtype)
             tokenize = {
@@ -360,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_dataset = FeatureCacheDataset(config.feature_cache, test_split) if evaluate and has_test else None
     else:
         if config.target_model is None or script_args.dataset_name is None:
-            raise ValueError("Pass --target_model and --dataset_name, or --feature_cache (see `osprey features`).")
+            raise ValueError("Pass --target and --dataset-name, or --feature-cache (see `osprey features`).")
         tokenizer = load_tokenizer(config.target_model)
         dataset = load_text_dataset(script_args)
         train_dataset = dataset[train_split]

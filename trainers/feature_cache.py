@@ -124,7 +124,7 @@ def _check_head(head: TargetHead, hidden_states: torch.Tensor, logits: torch.Ten
         raise ValueError(
             f"The target's logits are not its LM head applied to its final hidden state (max error {error:.3g} for "
             f"logits up to {scale:.3g}): it transforms them in a way the feature cache does not record (a logit "
-            "scale?). Distill this target live (`--target_model`) instead of from a feature cache."
+            "scale?). Distill this target live (`--target`) instead of from a feature cache."
         )
 
 
@@ -321,10 +321,18 @@ class FeatureCacheDataset(torch.utils.data.Dataset):
 class FeatureCacheArguments(DatasetArguments):
     """`osprey features`: which target, which dataset, where to; tokenization as `osprey distill` does it."""
 
-    target_model: str | None = field(default=None, metadata={"help": "Zoo name, directory or Hub id of the target."})
-    output_dir: str | None = field(default=None, metadata={"help": "New directory for the feature cache."})
+    target_model: str | None = field(
+        default=None, metadata={"help": "Zoo name, directory or Hub id of the target.", "aliases": ["--target"]}
+    )
+    output_dir: str | None = field(
+        default=None, metadata={"help": "New directory for the feature cache.", "aliases": ["--output"]}
+    )
     target_layer_ids: list[int] | None = field(
-        default=None, metadata={"help": "Tap blocks, as in the drafter's config; default [1, L//2 - 1, L - 4]."}
+        default=None,
+        metadata={
+            "help": "Tap blocks, as in the drafter's config; default [1, L//2 - 1, L - 4].",
+            "aliases": ["--target-layers"],
+        },
     )
     max_length: int | None = field(default=2048, metadata={"help": "Truncate sequences to this many tokens."})
     max_examples: int | None = field(default=None, metadata={"help": "Use at most this many examples per split."})
@@ -347,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = TrlParser([FeatureCacheArguments], prog="osprey features", description=__doc__)
     (args,) = parser.parse_args_and_config(argv)
     if args.target_model is None or args.dataset_name is None or args.output_dir is None:
-        raise ValueError("Pass --target_model, --dataset_name and --output_dir.")
+        raise ValueError("Pass --target, --dataset-name and --output.")
     target = load_target(args.target_model, args.target_dtype, device_map=args.target_device_map)
     if args.target_device_map is None:
         target.to("cuda" if torch.cuda.is_available() else "cpu")

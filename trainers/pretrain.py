@@ -40,6 +40,9 @@ class OspreyPretrainConfig(SFTConfig):
             Softmax temperature of both distributions in the KL term.
     """
 
+    output_dir: str | None = field(
+        default=None, metadata={"help": "Where checkpoints and the trained backbone are saved.", "aliases": ["--output"]}
+    )
     parent_model: str | None = field(default=None, metadata={"help": "Unpruned parent to self-distill from."})
     distill_weight: float = field(default=1.0, metadata={"help": "Weight of the KL(parent || model) term."})
     temperature: float = field(default=1.0, metadata={"help": "Softmax temperature of the KL term."})
@@ -123,7 +126,8 @@ class PretrainScriptArguments(DatasetArguments):
     """What to train and on what; the training itself is configured by [`OspreyPretrainConfig`]."""
 
     model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Pruned backbone to train: zoo name, local directory or Hub id."}
+        default=None,
+        metadata={"help": "Pruned backbone to train: zoo name, local directory or Hub id.", "aliases": ["--backbone"]},
     )
     eval_only: bool = field(
         default=False,
@@ -136,14 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = TrlParser((PretrainScriptArguments, OspreyPretrainConfig), prog="osprey pretrain", description=__doc__)
     script_args, config = parser.parse_args_and_config(argv)
     if script_args.model_name_or_path is None or script_args.dataset_name is None:
-        raise ValueError("Pass --model_name_or_path (the pruned backbone) and --dataset_name (see `osprey data`).")
+        raise ValueError("Pass --backbone (the pruned backbone) and --dataset-name (see `osprey data`).")
     tokenizer = load_tokenizer(script_args.model_name_or_path)
     model = load_causal_lm(script_args.model_name_or_path)
     dataset = load_text_dataset(script_args)
     eval_dataset = dataset.get(script_args.dataset_test_split)
     if script_args.eval_only:
         if eval_dataset is None:
-            raise ValueError(f"--eval_only needs a {script_args.dataset_test_split!r} split to evaluate on.")
+            raise ValueError(f"--eval-only needs a {script_args.dataset_test_split!r} split to evaluate on.")
         # SFTTrainer requires a train dataset; the held-out split stands in, nothing is trained.
         trainer = OspreyPretrainer(model, config, train_dataset=eval_dataset, eval_dataset=eval_dataset,
                                    processing_class=tokenizer)  # fmt: skip
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def resume_argument(value: str | None) -> str | bool | None:
-    """`--resume_from_checkpoint true` resumes from the latest checkpoint in `output_dir`; a path from that one."""
+    """`--resume-from-checkpoint true` resumes from the latest checkpoint in `output_dir`; a path from that one."""
     return True if value is not None and value.lower() == "true" else value
 
 
