@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
+
 from .bench_report import save_report, summarize
 from .bench_suites import SUITES, BenchPrompt, load_suite, select_subset
 from .decode import add_decoding_arguments, encode_prompt, speculative_generate, target_generate
@@ -38,8 +40,8 @@ class BenchSettings:
     """How every method decodes; a resumed run must use the same."""
 
     max_new_tokens: int = 128
-    num_draft_tokens: int = 5
-    confidence_threshold: float = 0.0
+    num_draft_tokens: int = DRAFTING_DEFAULTS["num_assistant_tokens"]
+    confidence_threshold: float = DRAFTING_DEFAULTS["assistant_confidence_threshold"]
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int | None = None

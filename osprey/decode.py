@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
 from modeling_osprey.generation_osprey import DraftState, crop_cache, draft_chain
 from modeling_osprey.target_features import TargetFeatureCapture
 
@@ -92,8 +93,8 @@ def speculative_generate(
     drafter,
     input_ids: torch.LongTensor,
     max_new_tokens: int = 128,
-    num_draft_tokens: int = 5,
-    confidence_threshold: float = 0.0,
+    num_draft_tokens: int = DRAFTING_DEFAULTS["num_assistant_tokens"],
+    confidence_threshold: float = DRAFTING_DEFAULTS["assistant_confidence_threshold"],
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int | None = None,
@@ -259,9 +260,14 @@ def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> torch.Lon
 
 def add_decoding_arguments(parser) -> None:
     """The chain length and sampling flags `osprey decode` and `osprey bench` share."""
-    parser.add_argument("--num-draft-tokens", type=int, default=5, help="chain length per verification step")
     parser.add_argument(
-        "--confidence-threshold", type=float, default=0.0,
+        "--num-draft-tokens",
+        type=int,
+        default=DRAFTING_DEFAULTS["num_assistant_tokens"],
+        help="chain length per verification step",
+    )
+    parser.add_argument(
+        "--confidence-threshold", type=float, default=DRAFTING_DEFAULTS["assistant_confidence_threshold"],
         help="stop a chain after a draft the drafter gives a probability below this (0: full chains, the paper's)",
     )  # fmt: skip
     parser.add_argument("--do-sample", action="store_true", help="sample (lossless) instead of greedy decoding")
