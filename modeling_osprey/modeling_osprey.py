@@ -22,6 +22,10 @@ from .configuration_osprey import DRAFTING_DEFAULTS, OspreyConfig
 from .generation_osprey import OspreyAssistantMixin
 
 
+# The weights file of a packed drafter (`osprey pack`: int8 rows), which only the osprey package reads.
+PACKED_WEIGHTS_NAME = "drafter-int8.safetensors"
+
+
 class OspreyRMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -188,6 +192,11 @@ class OspreyPreTrainedModel(PreTrainedModel):
         """Loads safetensors weights only, and refuses checkpoints with missing tensors instead of silently
         initialising them at random (a drafter with random rows drafts garbage without failing)."""
         local_dir = os.fspath(pretrained_model_name_or_path)
+        if os.path.isfile(os.path.join(local_dir, PACKED_WEIGHTS_NAME)):
+            raise ValueError(
+                f"{local_dir} holds a packed drafter ({PACKED_WEIGHTS_NAME}): load it with `osprey.load_drafter`, or "
+                "write it as an ordinary checkpoint with `osprey unpack --drafter DIR --output NEW_DIR`."
+            )
         if os.path.isdir(local_dir):
             check_safetensors_checkpoint(local_dir)
         wants_loading_info = kwargs.pop("output_loading_info", False)

@@ -11,8 +11,9 @@ space. Verification stays lossless with a quantized drafter: only how often draf
 `osprey unpack --drafter DIR --output OUT` (`unpack_drafter`) turns it back into an ordinary checkpoint that
 `AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)` loads without this package.
 
-What the packed format stores is decided by `pack_state_dict` and read back by `unpack_state_dict`; the rest of this
-module goes through those two.
+What the packed format stores is decided by `write_packed_weights` and read back by `read_packed_weights` (through
+`pack_state_dict` / `unpack_state_dict`); the rest of this module goes through those two, so a change of format (say,
+referring to frozen tensors of a zoo model instead of storing them) is local to them.
 """
 
 import os
@@ -23,12 +24,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from modeling_osprey import OspreyConfig, OspreyForDrafting
+from modeling_osprey.modeling_osprey import PACKED_WEIGHTS_NAME as PACKED_WEIGHTS
 
 from .ground import require_empty_output_dir
 from .zoo import resolve_model_path
 
 
-PACKED_WEIGHTS = "drafter-int8.safetensors"
 PACKED_FORMAT = "osprey-int8-rows"
 SCALE_SUFFIX = ".int8_row_scale"
 # Records that travel with a drafter: how its vocabulary was aligned and how it was trained (for the model card).
@@ -66,6 +67,16 @@ def unpack_state_dict(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return state_dict
 
 
+def write_packed_weights(state_dict: dict[str, torch.Tensor], directory: Path) -> None:
+    """Writes a drafter's weights in the packed format into `directory`."""
+    save_file(pack_state_dict(state_dict), directory / PACKED_WEIGHTS, metadata={"format": PACKED_FORMAT})
+
+
+def read_packed_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The state dict `write_packed_weights` stored in `directory`."""
+    return unpack_state_dict(load_file(directory / PACKED_WEIGHTS))
+
+
 def pack_drafter(
     drafter: str | os.PathLike, output_dir: str | os.PathLike, target_name_or_path: str | None = None
 ) -> Path:
@@ -82,7 +93,7 @@ def pack_drafter(
             f"{drafter} does not record the target it was converted for: pass it (--target, a zoo name or Hub id)."
         )
     output_dir.mkdir(parents=True, exist_ok=True)
-    save_file(pack_state_dict(model.state_dict()), output_dir / PACKED_WEIGHTS, metadata={"format": PACKED_FORMAT})
+    write_packed_weights(model.state_dict(), output_dir)
     model.config.to_json_file(output_dir / "config.json")  # JSON only: the loader provides the code
     model.generation_config.save_pretrained(output_dir)
     _copy_companions(model.name_or_path, output_dir)
@@ -113,7 +124,7 @@ def load_drafter(
     if is_packed(directory):
         config = OspreyConfig.from_pretrained(directory)
         drafter = OspreyForDrafting(config)
-        drafter.load_state_dict(unpack_state_dict(load_file(directory / PACKED_WEIGHTS)), strict=True)
+        drafter.load_state_dict(read_packed_weights(directory), strict=True)
         drafter.generation_config = drafter.generation_config.from_pretrained(directory)
         drafter.name_or_path = drafter.config.name_or_path = str(directory)
     else:

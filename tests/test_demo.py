@@ -9,6 +9,7 @@ import torch
 from test_bench import models  # noqa: F401 (fixture: a near-copy target and drafter, a char tokenizer)
 from test_decoding import plain_greedy, prompt
 
+from osprey import OspreyForDrafting
 from osprey.cli import main
 from osprey.decode import speculative_generate
 from osprey.demo import DEMO_CONFIDENCE_THRESHOLD, DEMO_DRAFTER_DIR, DEMO_PROMPTS
@@ -75,6 +76,8 @@ def test_pack_and_demo_refuse_bad_input(packed, tmp_path, capsys):
     assert "not an empty directory" in capsys.readouterr().err  # nothing saved is overwritten
     assert main(["demo", "--drafter", str(tmp_path / "drafter")]) == 2  # names no target
     assert "--target" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="packed drafter.*osprey.load_drafter.*osprey unpack"):
+        OspreyForDrafting.from_pretrained(tmp_path / "packed")  # not "no file named model.safetensors"
     assert main(["unpack", "--drafter", str(tmp_path / "drafter"), "--output", str(tmp_path / "out")]) == 2
     assert "not a packed drafter" in capsys.readouterr().err
     assert main(["push", "--drafter", str(tmp_path / "packed"), "--repo-id", "you/packed"]) == 2  # before any upload
