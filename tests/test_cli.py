@@ -10,10 +10,11 @@ from osprey.cli import build_parser, main
 from trainers.distill import DistillScriptArguments, OspreyDistillConfig
 from trainers.feature_cache import FeatureCacheArguments
 from trainers.pretrain import OspreyPretrainConfig, PretrainScriptArguments
+from trainers.regenerate import RegenerateArguments
 
 # The things several commands take, and the one flag each is spelled with.
 SHARED = {"target": "--target", "drafter": "--drafter", "backbone": "--backbone", "output": "--output"}
-TRL_COMMANDS = ("pretrain", "features", "distill")
+TRL_COMMANDS = ("pretrain", "features", "distill", "regenerate")
 
 
 def argparse_commands() -> dict[str, argparse.ArgumentParser]:
@@ -49,6 +50,11 @@ def test_argparse_commands_speak_one_vocabulary():
             (PretrainScriptArguments, OspreyPretrainConfig),
             ["--backbone", "b", "--output", "o", "--dataset-name", "general", "--max-steps", "3"],
             {"model_name_or_path": "b", "output_dir": "o", "dataset_name": "general", "max_steps": 3},
+        ),
+        (
+            (RegenerateArguments,),
+            ["--target", "t", "--output", "o", "--dataset-name", "sharegpt"],
+            {"target_model": "t", "output_dir": "o", "dataset_name": "sharegpt"},
         ),
         (
             (FeatureCacheArguments,),

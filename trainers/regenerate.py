@@ -24,8 +24,12 @@ from .data import DatasetArguments, load_text_dataset
 class RegenerateArguments(DatasetArguments):
     """Which conversations to answer with which target, and how."""
 
-    target_model: str | None = field(default=None, metadata={"help": "Target LLM: zoo name, local directory or Hub id."})
-    output_dir: str | None = field(default=None, metadata={"help": "Folder of `<split>.jsonl` files (resumable)."})
+    target_model: str | None = field(
+        default=None, metadata={"help": "Target LLM: zoo name, local directory or Hub id.", "aliases": ["--target"]}
+    )
+    output_dir: str | None = field(
+        default=None, metadata={"help": "Folder of `<split>.jsonl` files (resumable).", "aliases": ["--output"]}
+    )
     splits: list[str] = field(default_factory=lambda: ["train", "test"], metadata={"help": "Splits to answer."})
     max_train_conversations: int | None = field(default=None, metadata={"help": "Answer at most this many (train)."})
     max_test_conversations: int | None = field(default=None, metadata={"help": "Answer at most this many (test)."})
@@ -59,7 +63,7 @@ def _check_manifest(output: Path, args: RegenerateArguments) -> None:
             changed = {name: (saved.get(name), value) for name, value in settings.items() if saved.get(name) != value}
             raise ValueError(
                 f"{output} holds answers made with other settings ({changed}, saved vs asked): pass a new "
-                "--output_dir, or the saved settings to resume."
+                "--output, or the saved settings to resume."
             )
     else:
         output.mkdir(parents=True, exist_ok=True)
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         argv
     )
     if args.target_model is None or args.dataset_name is None or args.output_dir is None:
-        raise ValueError("Pass --target_model, --dataset_name (e.g. sharegpt) and --output_dir.")
+        raise ValueError("Pass --target, --dataset-name (e.g. sharegpt) and --output.")
     if args.threads:
         torch.set_num_threads(args.threads)
     output = Path(args.output_dir)
