@@ -120,8 +120,8 @@ def load_drafter(
 ) -> OspreyForDrafting:
     """The drafter in a checkpoint directory, a Hub repo or a packed directory, as the installed `OspreyForDrafting`
     in `dtype` (on `device` if given), in eval mode. The one loader: every command and the Space use it."""
-    directory = Path(resolve_model_path(name_or_path)) if not is_packed(name_or_path) else Path(name_or_path)
-    if is_packed(directory):
+    directory = Path(name_or_path) if is_packed(name_or_path) else Path(resolve_model_path(name_or_path))
+    if is_packed(directory):  # a local packed directory, or a Hub repo holding one
         config = OspreyConfig.from_pretrained(directory)
         drafter = OspreyForDrafting(config)
         drafter.load_state_dict(read_packed_weights(directory), strict=True)
