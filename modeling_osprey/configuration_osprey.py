@@ -6,7 +6,6 @@ from dataclasses import field
 
 from transformers import PreTrainedConfig
 
-
 AUTO_MAP = {
     "AutoConfig": "configuration_osprey.OspreyConfig",
     "AutoModel": "modeling_osprey.OspreyModel",
@@ -188,14 +187,20 @@ class OspreyConfig(PreTrainedConfig):
         if num_layers is not None and max(self.target_layer_ids) >= num_layers:
             problems.append(f"{num_layers} layers (the drafter taps {self.target_layer_ids})")
         if target_layer_ids is not None and list(target_layer_ids) != self.target_layer_ids:
-            problems.append(f"features read at layers {list(target_layer_ids)} (the drafter taps {self.target_layer_ids})")
+            problems.append(
+                f"features read at layers {list(target_layer_ids)} (the drafter taps {self.target_layer_ids})"
+            )
         if problems:
             raise ValueError(
-                f"This drafter was converted for {converted_for}, but the target{f' {name_or_path!r}' if name_or_path else ''} has "
-                f"{'; '.join(problems)}. Convert a backbone for this target with `osprey convert --target ...`, or "
-                "use the target the drafter was made for."
+                f"This drafter was converted for {converted_for}, but the target"
+                f"{f' {name_or_path!r}' if name_or_path else ''} has {'; '.join(problems)}. Convert a backbone for "
+                "this target with `osprey convert --target ...`, or use the target the drafter was made for."
             )
-        if self.target_name_or_path and name_or_path and _model_name(name_or_path) != _model_name(self.target_name_or_path):
+        if (
+            self.target_name_or_path
+            and name_or_path
+            and _model_name(name_or_path) != _model_name(self.target_name_or_path)
+        ):
             raise ValueError(
                 f"This drafter was converted for {self.target_name_or_path!r}, not {name_or_path!r}: its acceptance "
                 f"would collapse on another model of the same shape. Use {self.target_name_or_path!r}, or convert a "

@@ -110,9 +110,17 @@ def draft_chain(
     )
     state.num_verified_positions = sequence_length - 1
     return _continue_chain(
-        drafter, outputs, state.cache, input_ids, num_draft_tokens, logits_processor, do_sample, eos_token_ids,
-        generator, confidence_threshold,
-    )  # fmt: skip
+        drafter,
+        outputs,
+        state.cache,
+        input_ids,
+        num_draft_tokens,
+        logits_processor,
+        do_sample,
+        eos_token_ids,
+        generator,
+        confidence_threshold,
+    )
 
 
 @torch.no_grad()
@@ -136,9 +144,17 @@ def draft_without_target_features(
 
 
 def _continue_chain(
-    drafter, outputs, cache, input_ids, num_draft_tokens, logits_processor, do_sample, eos_token_ids, generator,
+    drafter,
+    outputs,
+    cache,
+    input_ids,
+    num_draft_tokens,
+    logits_processor,
+    do_sample,
+    eos_token_ids,
+    generator,
     confidence_threshold,
-):  # fmt: skip
+):
     sequence, draft_ids, draft_scores = input_ids, [], []
     for step in range(num_draft_tokens):
         token, scores = choose_draft_token(

@@ -21,7 +21,6 @@ from transformers.utils import ModelOutput
 from .configuration_osprey import DRAFTING_DEFAULTS, OspreyConfig
 from .generation_osprey import OspreyAssistantMixin
 
-
 # The weights file of a packed drafter (`osprey pack`: int8 rows), which only the osprey package reads.
 PACKED_WEIGHTS_NAME = "drafter-int8.safetensors"
 
@@ -274,8 +273,9 @@ class OspreyModel(OspreyPreTrainedModel):
         Args:
             input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`):
                 Target-vocabulary token ids; position `i` pairs token `i` with the features of position `i`.
-            target_hidden_states (`torch.Tensor` of shape `(batch_size, sequence_length, len(target_layer_ids) * target_hidden_size)`):
-                The target's tap-layer outputs, concatenated in `config.target_layer_ids` order; projected by `fc`.
+            target_hidden_states (`torch.Tensor` of shape `(batch_size, sequence_length, config.fused_feature_size)`):
+                The target's tap-layer outputs, concatenated in `config.target_layer_ids` order (`fused_feature_size`
+                is `len(target_layer_ids) * target_hidden_size`); projected by `fc`.
             draft_hidden_states (`torch.Tensor` of shape `(batch_size, sequence_length, hidden_size)`):
                 Features already in drafter space, used instead of `target_hidden_states` (bypassing `fc`): the
                 drafter's own `prenorm_hidden_states` from its previous step. Pass exactly one of the two.
@@ -402,11 +402,11 @@ class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationM
         r"""
         Arguments are those of [`OspreyModel.forward`], plus:
 
-            logits_to_keep (`int` or `torch.BoolTensor` of shape `(batch_size, sequence_length)`, *optional*, defaults to 0):
-                An int computes logits for only the last `logits_to_keep` positions (0 = all): drafting needs one, and
-                with a 150k-row head that is most of a drafter step. A boolean mask computes them only where it is
-                True and returns them flattened, `(mask.sum(), draft_vocab_size)`: training needs no logits on prompt
-                tokens and padding.
+            logits_to_keep (`int` or `torch.BoolTensor` of shape `(batch_size, sequence_length)`, *optional*):
+                Defaults to 0. An int computes logits for only the last `logits_to_keep` positions (0 = all):
+                drafting needs one, and with a 150k-row head that is most of a drafter step. A boolean mask computes
+                them only where it is True and returns them flattened, `(mask.sum(), draft_vocab_size)`: training
+                needs no logits on prompt tokens and padding.
         """
         outputs = self.model(
             input_ids,

@@ -27,7 +27,6 @@ from . import zoo
 from .ground import read_input_embedding, require_empty_output_dir
 from .pack import load_drafter
 
-
 BASELINES = ("scratch", "eagle3")
 
 
@@ -39,7 +38,9 @@ def scratch_drafter(drafter: OspreyForDrafting, seed: int = 0) -> OspreyForDraft
     generator = torch.Generator().manual_seed(seed)
     for module in scratch.model.layers.modules():
         if isinstance(module, nn.Linear):
-            module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * drafter.config.initializer_range)
+            module.weight.copy_(
+                torch.randn(module.weight.shape, generator=generator) * drafter.config.initializer_range
+            )
             if module.bias is not None:
                 module.bias.zero_()
         elif isinstance(module, OspreyRMSNorm):
@@ -121,9 +122,11 @@ def build_baseline(
 def add_subcommand(subparsers) -> None:
     """Adds `osprey baseline` to the CLI (see `osprey.cli`)."""
     parser = subparsers.add_parser(
-        "baseline", help="build the scratch (body-random) or EAGLE-3 control for an Osprey drafter",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+        "baseline",
+        help="build the scratch (body-random) or EAGLE-3 control for an Osprey drafter",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("kind", choices=BASELINES)
     parser.add_argument(
         "--drafter", "--like", required=True, help="the Osprey drafter directory the control is matched to"

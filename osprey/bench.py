@@ -66,12 +66,19 @@ class BenchMethod:
         if self.drafter is not None:
             generator = torch.Generator(device=input_ids.device).manual_seed(request_seed)
             return speculative_generate(
-                target, self.drafter, input_ids, max_new_tokens=settings.max_new_tokens,
-                num_draft_tokens=settings.num_draft_tokens, confidence_threshold=settings.confidence_threshold,
+                target,
+                self.drafter,
+                input_ids,
+                max_new_tokens=settings.max_new_tokens,
+                num_draft_tokens=settings.num_draft_tokens,
+                confidence_threshold=settings.confidence_threshold,
                 do_sample=settings.do_sample,
-                temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
-                eos_token_id=eos_token_id, generator=generator,
-            )  # fmt: skip
+                temperature=settings.temperature,
+                top_k=settings.top_k,
+                top_p=settings.top_p,
+                eos_token_id=eos_token_id,
+                generator=generator,
+            )
         torch.manual_seed(request_seed)
         extra = {}
         if self.assistant is not None:  # SpS: chains of `num_draft_tokens`, stopping early exactly as the drafters do
@@ -82,9 +89,16 @@ class BenchMethod:
         if self.prompt_lookup_num_tokens is not None:
             extra["prompt_lookup_num_tokens"] = self.prompt_lookup_num_tokens
         output = target_generate(
-            target, input_ids, settings.max_new_tokens, settings.do_sample, settings.temperature, settings.top_k,
-            settings.top_p, eos_token_id, **extra,
-        )  # fmt: skip
+            target,
+            input_ids,
+            settings.max_new_tokens,
+            settings.do_sample,
+            settings.temperature,
+            settings.top_k,
+            settings.top_p,
+            eos_token_id,
+            **extra,
+        )
         return output, None
 
     @property
@@ -160,16 +174,26 @@ def run_request(target, tokenizer, method: BenchMethod, prompt: BenchPrompt, set
     prefill_s = target_calls.calls[0][2] if target_calls.calls else 0.0
     verify_s, draft_s = target_calls.seconds - prefill_s, draft_calls.seconds
     return {
-        "method": method.name, "suite": prompt.suite, "category": prompt.category, "prompt_id": prompt.prompt_id,
-        "prompt_tokens": input_ids.shape[1], "new_tokens": len(new_ids), "wall_time_s": wall_time_s,
+        "method": method.name,
+        "suite": prompt.suite,
+        "category": prompt.category,
+        "prompt_id": prompt.prompt_id,
+        "prompt_tokens": input_ids.shape[1],
+        "new_tokens": len(new_ids),
+        "wall_time_s": wall_time_s,
         "tokens_per_s": len(new_ids) / wall_time_s,
         "tau": sum(a + 1 for a in accepted) / len(accepted) if accepted else None,
-        "accepted_per_step": accepted, "drafted_per_step": drafted,
-        "time_split_s": {"prefill": prefill_s, "verify": verify_s, "draft": draft_s,
-                         "other": wall_time_s - prefill_s - verify_s - draft_s},
+        "accepted_per_step": accepted,
+        "drafted_per_step": drafted,
+        "time_split_s": {
+            "prefill": prefill_s,
+            "verify": verify_s,
+            "draft": draft_s,
+            "other": wall_time_s - prefill_s - verify_s - draft_s,
+        },
         "output_sha256": hashlib.sha256(json.dumps(new_ids).encode()).hexdigest(),
         "completion": tokenizer.decode(new_ids, skip_special_tokens=True),
-    }  # fmt: skip
+    }
 
 
 def _request_key(row: dict) -> tuple[str, str, str, str]:
@@ -184,9 +208,14 @@ def saved_settings(results: dict) -> dict:
 def _start_results(target_name: str, settings: BenchSettings, methods, output_path: Path | None) -> dict:
     """A fresh results dict, or the one saved at `output_path` if it was made with the same target and settings."""
     fresh = {
-        "format": RESULTS_FORMAT, "target": target_name, "settings": asdict(settings),
-        "methods": {}, "prompts": {}, "requests": [], "records": [],
-    }  # fmt: skip
+        "format": RESULTS_FORMAT,
+        "target": target_name,
+        "settings": asdict(settings),
+        "methods": {},
+        "prompts": {},
+        "requests": [],
+        "records": [],
+    }
     if output_path is None or not output_path.exists():
         return fresh
     saved = json.loads(output_path.read_text())
@@ -324,8 +353,11 @@ def add_subcommand(subparsers) -> None:
         metavar="SUITE|PATH",
         help=f"suite ({', '.join(SUITES)}) or JSONL file / directory; repeatable (default: spec_bench)",
     )
-    parser.add_argument("--data-dir", help="folder with spec_bench/ and mt_bench/ (default: $OSPREY_DATA_DIR or "
-                        "../shared/data beside the repository)")  # fmt: skip
+    parser.add_argument(
+        "--data-dir",
+        help="folder with spec_bench/ and mt_bench/ (default: $OSPREY_DATA_DIR or "
+        "../shared/data beside the repository)",
+    )
     parser.add_argument("--per-category", type=int, help="seeded sample of N prompts per category (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the subset and sampling")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -347,11 +379,16 @@ def _run_bench(args) -> int:
         for prompt in select_subset(load_suite(suite, args.data_dir), args.per_category, args.seed)
     ]
     settings = BenchSettings(
-        max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
-        confidence_threshold=args.confidence_threshold, do_sample=args.do_sample,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        num_draft_tokens=args.num_draft_tokens,
+        confidence_threshold=args.confidence_threshold,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
         chat_template=not args.no_chat_template,
-    )  # fmt: skip
+    )
     dtype = getattr(torch, args.dtype)
     target, tokenizer = load_causal_lm(args.target, dtype=dtype).to(args.device).eval(), load_tokenizer(args.target)
     methods = [load_method(name, spec, tokenizer, dtype, args.device) for name, spec in specs]

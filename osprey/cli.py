@@ -12,7 +12,6 @@ import argparse
 import importlib
 import sys
 
-
 SUBCOMMAND_MODULES = (
     "osprey.zoo",  # fetch
     "osprey.prune",  # stage 1

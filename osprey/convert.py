@@ -16,18 +16,23 @@ from collections.abc import Sequence
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedConfig, PreTrainedModel
-from transformers import PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from modeling_osprey import OspreyConfig, OspreyForDrafting
 from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
 from modeling_osprey.target_features import default_target_layer_ids, validate_target_layer_ids
 
 from . import zoo
-from .presets import AUTO, PRESET_CHOICES, TargetPreset, end_of_turn_token_ids, merged_eos_token_ids, resolve_preset
 from .ground import copy_notices, require_empty_output_dir
+from .presets import AUTO, PRESET_CHOICES, TargetPreset, end_of_turn_token_ids, merged_eos_token_ids, resolve_preset
 from .vocab_alignment import align_vocabularies, select_draft_vocab
-
 
 SUPPORTED_BACKBONES = ("llama", "qwen2", "qwen3")
 
@@ -247,15 +252,19 @@ def _layer_ids(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated block indices such as 1,13,24, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated block indices such as 1,13,24, got {text!r}"
+        ) from None
 
 
 def add_subcommand(subparsers) -> None:
     """Adds `osprey convert` to the CLI (see `osprey.cli`)."""
     parser = subparsers.add_parser(
-        "convert", help="turn a pruned backbone into a drafter for a target LLM (stage 3)", description=__doc__,
+        "convert",
+        help="turn a pruned backbone into a drafter for a target LLM (stage 3)",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument("--backbone", required=True, help="pruned backbone: zoo name, checkpoint directory or Hub id")
     parser.add_argument("--target", required=True, help="target LLM (only its config and tokenizer are read)")
     parser.add_argument("--output", required=True, help="new (or empty) directory for the drafter")
@@ -265,9 +274,11 @@ def add_subcommand(subparsers) -> None:
         help="target blocks to tap, e.g. 1,13,24 (default: the preset's, else [1, L//2-1, L-4])",
     )
     parser.add_argument(
-        "--preset", default=AUTO, choices=PRESET_CHOICES,
+        "--preset",
+        default=AUTO,
+        choices=PRESET_CHOICES,
         help="seed-target preset (taps, end-of-turn tokens); auto: the one matching the target's config",
-    )  # fmt: skip
+    )
     parser.add_argument("--draft-vocab-size", type=int, help="predict only the K most frequent target tokens")
     parser.add_argument("--draft-vocab-corpus", nargs="+", metavar="FILE", help="text file(s) to count tokens on")
     parser.set_defaults(run=_run_convert)

@@ -124,8 +124,8 @@ def speculative_generate(
         logits = target(input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:]
         if not cache.is_croppable:
             raise ValueError(
-                f"{type(target).__name__}'s cache keeps recurrent (or quantized) state that cannot be rolled back after "
-                "rejected drafts, so it cannot be verified speculatively. Use a target with attention KV caches."
+                f"{type(target).__name__}'s cache keeps recurrent (or quantized) state that cannot be rolled back "
+                "after rejected drafts, so it cannot be verified speculatively. Use a target with attention KV caches."
             )
         first = _target_tokens(logits.float(), input_ids, processors, do_sample, generator)
         sequence, features = torch.cat([input_ids, first], dim=-1), capture.features
@@ -137,15 +137,25 @@ def speculative_generate(
             budget = min(num_draft_tokens, max_new_tokens - stats.new_tokens - 1)
             if budget > 0:
                 drafts, draft_scores = draft_chain(
-                    drafter, state, sequence, features, budget, processors, do_sample, eos_ids, generator,
+                    drafter,
+                    state,
+                    sequence,
+                    features,
+                    budget,
+                    processors,
+                    do_sample,
+                    eos_ids,
+                    generator,
                     confidence_threshold,
-                )  # fmt: skip
+                )
             else:  # room for one token only: the target's own
                 drafts, draft_scores = sequence.new_empty(1, 0), None
             verify_input = torch.cat([sequence[:, -1:], drafts], dim=-1)
             logits = target(verify_input, cache=cache, use_cache=True, logits_to_keep=verify_input.shape[1]).logits
             features = capture.features
-            accepted, next_token = _verify(logits.float(), sequence, drafts, draft_scores, processors, do_sample, generator)
+            accepted, next_token = _verify(
+                logits.float(), sequence, drafts, draft_scores, processors, do_sample, generator
+            )
             emitted = torch.cat([drafts[:, :accepted], next_token], dim=-1)
             emitted = _truncate_after_eos(emitted, eos_ids)[:, : max_new_tokens - stats.new_tokens]
             crop_cache(cache, sequence.shape[1] + accepted)  # the verified positions; the next token is not yet in
@@ -162,12 +172,26 @@ def speculative_generate(
 # Every logits filter a target's `generation_config` may switch on, off: `speculative_generate` applies none of them,
 # so `target_generate` must not either (a repetition penalty or top-k from the target's config would change its output).
 FILTERS_OFF = {
-    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-    "encoder_no_repeat_ngram_size": 0, "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
-    "top_h": None, "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
-    "sequence_bias": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
-    "exponential_decay_length_penalty": None, "renormalize_logits": False, "num_beams": 1, "guidance_scale": None,
-}  # fmt: skip
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "min_p": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "top_h": None,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "renormalize_logits": False,
+    "num_beams": 1,
+    "guidance_scale": None,
+}
 
 
 def target_generate(
@@ -247,7 +271,7 @@ def _truncate_after_eos(tokens: torch.LongTensor, eos_ids: torch.Tensor | None) 
 
 
 def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> torch.LongTensor:
-    """`text` as the user turn of the tokenizer's chat template, ready for generation (or raw, `chat_template=False`)."""
+    """`text` as the user turn of the tokenizer's chat template, ready for generation (raw: `chat_template=False`)."""
     if not chat_template:
         return tokenizer(text, return_tensors="pt")["input_ids"]
     if tokenizer.chat_template is None:
@@ -267,9 +291,11 @@ def add_decoding_arguments(parser) -> None:
         help="chain length per verification step",
     )
     parser.add_argument(
-        "--confidence-threshold", type=float, default=DRAFTING_DEFAULTS["assistant_confidence_threshold"],
+        "--confidence-threshold",
+        type=float,
+        default=DRAFTING_DEFAULTS["assistant_confidence_threshold"],
         help="stop a chain after a draft the drafter gives a probability below this (0: full chains, the paper's)",
-    )  # fmt: skip
+    )
     parser.add_argument("--do-sample", action="store_true", help="sample (lossless) instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int)
@@ -302,10 +328,16 @@ def _run_decode(args) -> int:
     input_ids = encode_prompt(tokenizer, args.prompt)
     sampling = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     output, stats = speculative_generate(
-        target, drafter, input_ids, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
-        confidence_threshold=args.confidence_threshold, eos_token_id=target.generation_config.eos_token_id,
-        generator=torch.Generator().manual_seed(args.seed), **sampling,
-    )  # fmt: skip
+        target,
+        drafter,
+        input_ids,
+        max_new_tokens=args.max_new_tokens,
+        num_draft_tokens=args.num_draft_tokens,
+        confidence_threshold=args.confidence_threshold,
+        eos_token_id=target.generation_config.eos_token_id,
+        generator=torch.Generator().manual_seed(args.seed),
+        **sampling,
+    )
     completion = tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
     print(completion)
     report = stats.to_dict()

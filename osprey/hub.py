@@ -1,12 +1,13 @@
 """Publish an adapted drafter to the Hugging Face Hub with a generated model card, or a Gradio Space.
 
-`osprey push --drafter DIR --repo-id ID` uploads a drafter directory (written by `osprey convert` or `osprey distill`) in one
-commit: the safetensors weights, the config with `auto_map` and the remote-code files it names (so the drafter loads
-with `trust_remote_code=True` without this package), a generation config drafting 5 tokens per step, the target's
-tokenizer, the alignment report, license notices and a model card rendered from `hub_cards/drafter.md`: target
-(`base_model`), backbone, vocabulary alignment, training budget (`trainer_state.json`), usage and, with
+`osprey push --drafter DIR --repo-id ID` uploads a drafter directory (written by `osprey convert` or `osprey distill`)
+in one commit: the safetensors weights, the config with `auto_map` and the remote-code files it names (so the drafter
+loads with `trust_remote_code=True` without this package), a generation config drafting 5 tokens per step, the
+target's tokenizer, the alignment report, license notices and a model card rendered from `hub_cards/drafter.md`:
+target (`base_model`), backbone, vocabulary alignment, training budget (`trainer_state.json`), usage and, with
 `--bench-results`, the `osprey bench` results as eval results. `push_drafter(drafter, repo_id)` publishes the same
-way from Python; `drafter.push_to_hub(repo_id)` stays transformers' own (weights, config, remote code, a generic card). `osprey push --space DIR --repo-id ID` uploads a Gradio Space folder.
+way from Python; `drafter.push_to_hub(repo_id)` stays transformers' own (weights, config, remote code, a generic
+card). `osprey push --space DIR --repo-id ID` uploads a Gradio Space folder.
 
 Nothing local is written. A commit is atomic on the Hub, so an upload that fails (server, auth or network error)
 commits nothing, and running the same command again is the retry.
@@ -77,9 +78,15 @@ def push_drafter_folder(
         return files + [CommitOperationAdd("README.md", str(final_card).encode())]
 
     return _commit(
-        repo_id, operations, private=private, token=token, revision=revision, create_pr=create_pr,
-        commit_message=commit_message or "Upload Osprey drafter", commit_description=commit_description,
-    )  # fmt: skip
+        repo_id,
+        operations,
+        private=private,
+        token=token,
+        revision=revision,
+        create_pr=create_pr,
+        commit_message=commit_message or "Upload Osprey drafter",
+        commit_description=commit_description,
+    )
 
 
 def push_drafter(
@@ -131,9 +138,14 @@ def push_space(
         and not any(fnmatch(part, pattern) for part in path.relative_to(folder).parts for pattern in SPACE_IGNORED)
     ]
     return _commit(
-        repo_id, lambda created_repo_id: files, repo_type="space", space_sdk=metadata["sdk"],
-        private=private, token=token, commit_message=commit_message or "Upload Space",
-    )  # fmt: skip
+        repo_id,
+        lambda created_repo_id: files,
+        repo_type="space",
+        space_sdk=metadata["sdk"],
+        private=private,
+        token=token,
+        commit_message=commit_message or "Upload Space",
+    )
 
 
 def _commit(repo_id, operations, *, repo_type="model", space_sdk=None, private, token, **commit) -> CommitInfo:
@@ -173,9 +185,11 @@ def _failure_message(repo_id: str, endpoint: str, error: Exception) -> str:
 def add_subcommand(subparsers) -> None:
     """Adds `osprey push` to the CLI (see `osprey.cli`)."""
     parser = subparsers.add_parser(
-        "push", help="publish a drafter (with a generated model card) or a Gradio Space to the Hub",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+        "push",
+        help="publish a drafter (with a generated model card) or a Gradio Space to the Hub",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--drafter", metavar="DIR", help="drafter directory (osprey convert / distill)")
     what.add_argument("--space", metavar="DIR", help="Gradio Space folder (app.py, README.md)")
@@ -201,10 +215,15 @@ def _run_push(args) -> int:
             commit = push_space(args.space, args.repo_id, private=private)
         else:
             commit = push_drafter_folder(
-                args.drafter, args.repo_id, private=private, bench_results=args.bench_results,
-                bench_method=args.bench_method, base_model=args.base_model, backbone=args.backbone,
+                args.drafter,
+                args.repo_id,
+                private=private,
+                bench_results=args.bench_results,
+                bench_method=args.bench_method,
+                base_model=args.base_model,
+                backbone=args.backbone,
                 license=args.license,
-            )  # fmt: skip
+            )
     except HubPushError as error:
         print(f"osprey push: error: {error}", file=sys.stderr)
         return 1

@@ -41,9 +41,17 @@ ZOO_HUB_IDS = {
 # states, pickled training arguments, checkpoint folders, a README that the generated card replaces) stays local.
 MODEL_FILES = ("*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json", "*.py")
 COMPANION_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "chat_template.jinja", "alignment_report.json", "trainer_state.json",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "alignment_report.json",
+    "trainer_state.json",
+)
 TOKENIZER_VOCABULARIES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 BENCH_FIELDS = ("method", "suite", "category", "num_prompts", "tau", "tokens_per_s", "speedup")
 BENCH_METRICS = (  # record field, model-index metric type and name
@@ -282,6 +290,15 @@ def read_json(path: Path) -> dict | None:
 
 
 __all__ = [
-    "COMPANION_FILES", "MODEL_FILES", "TAGS", "ZOO_HUB_IDS", "bench_eval_results", "drafter_card",
-    "drafter_generation_config", "hub_model_id", "load_bench_results", "publishable_files", "read_json",
-]  # fmt: skip
+    "COMPANION_FILES",
+    "MODEL_FILES",
+    "TAGS",
+    "ZOO_HUB_IDS",
+    "bench_eval_results",
+    "drafter_card",
+    "drafter_generation_config",
+    "hub_model_id",
+    "load_bench_results",
+    "publishable_files",
+    "read_json",
+]

@@ -29,7 +29,6 @@ from modeling_osprey.modeling_osprey import PACKED_WEIGHTS_NAME as PACKED_WEIGHT
 from .ground import require_empty_output_dir
 from .zoo import resolve_model_path
 
-
 PACKED_FORMAT = "osprey-int8-rows"
 SCALE_SUFFIX = ".int8_row_scale"
 # Records that travel with a drafter: how its vocabulary was aligned and how it was trained (for the model card).
@@ -172,5 +171,5 @@ def _run_pack(args) -> int:
 
 def _run_unpack(args) -> int:
     output = unpack_drafter(args.drafter, args.output)
-    print(f"unpacked {args.drafter} to {output}; load it with AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)")
+    print(f"unpacked {args.drafter} to {output}: AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)")
     return 0

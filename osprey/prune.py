@@ -28,7 +28,6 @@ from modeling_osprey.target_features import decoder_layers
 from .ground import copy_notices, require_empty_output_dir
 from .zoo import load_causal_lm, load_tokenizer, resolve_model_path
 
-
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
 STRATEGIES = ("first", "block-influence")
 
@@ -147,9 +146,7 @@ def _rebuild(model: PreTrainedModel, kept: list[int], pruning: dict) -> PreTrain
 
 
 @torch.no_grad()
-def perplexity(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, text: str, max_length: int = 1024
-) -> float:
+def perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, text: str, max_length: int = 1024) -> float:
     """Perplexity of `text` in non-overlapping windows of `max_length` tokens (every token but a window's first)."""
     total_loss, total_tokens = 0.0, 0
     for window in _token_windows(tokenizer, [text], max_length):
@@ -166,9 +163,11 @@ def perplexity(
 def add_subcommand(subparsers) -> None:
     """Adds `osprey prune` to the CLI (see `osprey.cli`)."""
     parser = subparsers.add_parser(
-        "prune", help="keep N decoder blocks of a small pretrained LM (stage 1)", description=__doc__,
+        "prune",
+        help="keep N decoder blocks of a small pretrained LM (stage 1)",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--backbone", "--model", required=True, help="the small LM to prune: zoo name, checkpoint directory or Hub id"
     )

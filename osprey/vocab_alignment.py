@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedTokenizerBase
 
-
 KINDS = ("direct", "single", "averaged", "special", "unmappable", "unused")
 # Chat-turn markers that play the same role across families (ChatML, Gemma, Llama 3).
 CHAT_MARKERS = (
@@ -224,9 +223,11 @@ def align_vocabularies(
             texts.append((index, target_spellings[index].decode("utf-8")))
         except UnicodeDecodeError:  # part of a multi-byte character: map byte by byte
             byte_wise.append(index)
-    encoded = source_tokenizer(
-        [text for _, text in texts], add_special_tokens=False, split_special_tokens=True
-    )["input_ids"] if texts else []  # fmt: skip
+    encoded = (
+        source_tokenizer([text for _, text in texts], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        if texts
+        else []
+    )
     pieces_of = {index: tuple(ids) for (index, _), ids in zip(texts, encoded)}
     for index in byte_wise:
         pieces = [by_bytes.get(bytes([byte])) for byte in target_spellings[index]]

@@ -36,7 +36,6 @@ from modeling_osprey.modeling_osprey import check_safetensors_checkpoint
 
 from .ground import DownloadError, cache_root, download_wheels, requirement_key, wheels_by_requirement
 
-
 logger = logging.get_logger(__name__)
 
 MANIFEST_NAME = "osprey_zoo.json"

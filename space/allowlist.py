@@ -68,7 +68,9 @@ class ModelCatalog:
                     model = _resolve_location(entry["model"], path.parent)
                 else:
                     model = _recorded_target(target_name, list(locations.values()))
-                drafters = {name: partial(load_drafter, location, dtype, device) for name, location in locations.items()}
+                drafters = {
+                    name: partial(load_drafter, location, dtype, device) for name, location in locations.items()
+                }
                 targets[target_name] = TargetChoice(partial(_load_target, model, dtype, device), drafters)
         if not targets:
             raise ValueError(

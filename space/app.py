@@ -52,10 +52,14 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
     catalog, limits = space.catalog, space.limits
     first_target = catalog.target_names()[0]
     request = {
-        "prompt": "", "target_name": first_target, "drafter_name": catalog.drafter_names(first_target)[0],
-        "num_draft_tokens": 5, "confidence_threshold": 0.0, "temperature": 0.0,
+        "prompt": "",
+        "target_name": first_target,
+        "drafter_name": catalog.drafter_names(first_target)[0],
+        "num_draft_tokens": 5,
+        "confidence_threshold": 0.0,
+        "temperature": 0.0,
         "max_new_tokens": min(128, limits.max_new_tokens),
-    }  # fmt: skip
+    }
     results = dict.fromkeys(OUTPUT_NAMES)
     if prefill:
         request |= prefill
@@ -71,13 +75,18 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
         with gr.Row():
             with gr.Column(scale=3):
                 prompt = gr.Textbox(
-                    value=request["prompt"], label="Prompt", lines=4, max_length=limits.max_prompt_chars,
+                    value=request["prompt"],
+                    label="Prompt",
+                    lines=4,
+                    max_length=limits.max_prompt_chars,
                     placeholder="Ask anything, or pick an example below.",
-                )  # fmt: skip
+                )
                 gr.Examples(
-                    [[text] for _, text in EXAMPLES], inputs=[prompt], example_labels=[label for label, _ in EXAMPLES],
+                    [[text] for _, text in EXAMPLES],
+                    inputs=[prompt],
+                    example_labels=[label for label, _ in EXAMPLES],
                     examples_per_page=len(EXAMPLES),
-                )  # fmt: skip
+                )
             with gr.Column(scale=2):
                 target = gr.Dropdown(catalog.target_names(), value=request["target_name"], label="Target")
                 drafter = gr.Dropdown(all_drafters, value=request["drafter_name"], label="Osprey drafter")
@@ -85,9 +94,12 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
                     1, limits.max_draft_tokens, value=request["num_draft_tokens"], step=1, label="Draft length"
                 )
                 confidence_threshold = gr.Slider(
-                    0, 1, value=request["confidence_threshold"], step=0.05,
+                    0,
+                    1,
+                    value=request["confidence_threshold"],
+                    step=0.05,
                     label="Early stop: end a chain after a draft below this probability (0 = full chains)",
-                )  # fmt: skip
+                )
                 temperature = gr.Slider(
                     0, limits.max_temperature, value=request["temperature"], step=0.05, label="Temperature (0 = greedy)"
                 )
@@ -102,22 +114,37 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
             ]
         with gr.Row(equal_height=True):
             osprey_output = gr.HighlightedText(
-                value=results["osprey"], label="Osprey: target + drafter", show_legend=True,
-                show_inline_category=False, color_map={ACCEPTED: "#34d399", TARGET: "#fbbf24"},
-            )  # fmt: skip
+                value=results["osprey"],
+                label="Osprey: target + drafter",
+                show_legend=True,
+                show_inline_category=False,
+                color_map={ACCEPTED: "#34d399", TARGET: "#fbbf24"},
+            )
             target_output = gr.Textbox(value=results["target_only"], label="Target only", lines=10, interactive=False)
         gr.Markdown("## τ per category and language, from saved benchmarks")
         benchmark_plot = gr.ScatterPlot(
-            x="category", y="tau", color="series", color_title="results file: method", x_title="suite / category", y_title="τ", x_label_angle=-30,
+            x="category",
+            y="tau",
+            color="series",
+            color_title="results file: method",
+            x_title="suite / category",
+            y_title="τ",
+            x_label_angle=-30,
             visible=False,
-        )  # fmt: skip
+        )
         benchmark_note = gr.Markdown()
 
         target.change(space.drafter_choices, target, drafter, api_name=False)
         inputs = [prompt, target, drafter, num_draft_tokens, temperature, max_new_tokens, confidence_threshold]
         # One generation at a time: timings are only honest without other requests competing for the hardware.
-        gr.on([run.click, prompt.submit], space.generate, inputs, [osprey_output, target_output, *stats],
-              api_name="generate", concurrency_limit=1)  # fmt: skip
+        gr.on(
+            [run.click, prompt.submit],
+            space.generate,
+            inputs,
+            [osprey_output, target_output, *stats],
+            api_name="generate",
+            concurrency_limit=1,
+        )
         demo.load(partial(benchmark_outputs, space), None, [benchmark_plot, benchmark_note], api_name=False)
     return demo.queue(max_size=limits.max_queue)
 
@@ -132,16 +159,20 @@ def benchmark_outputs(space: OspreySpace):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--models", default=os.environ.get("OSPREY_SPACE_MODELS", APP_DIR / "models.json"), type=Path,
+        "--models",
+        default=os.environ.get("OSPREY_SPACE_MODELS", APP_DIR / "models.json"),
+        type=Path,
         help="allow-list of targets and drafters (default: $OSPREY_SPACE_MODELS or space/models.json)",
-    )  # fmt: skip
+    )
     parser.add_argument("--results", default=os.environ.get("OSPREY_SPACE_RESULTS"), help="benchmark results folder")
     parser.add_argument("--host", help="address to serve on (default: Gradio's, 127.0.0.1 locally)")
     parser.add_argument("--port", type=int)
     parser.add_argument(
-        "--prefill-example", type=int, metavar="INDEX",
+        "--prefill-example",
+        type=int,
+        metavar="INDEX",
         help="run EXAMPLES[INDEX] with the first target and drafter before serving, and open on its result",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     space = OspreySpace(ModelCatalog.from_json(args.models), results_dir=args.results)
     prefill = None if args.prefill_example is None else {"prompt": EXAMPLES[args.prefill_example][1]}

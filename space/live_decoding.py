@@ -22,8 +22,16 @@ from osprey.decode import encode_prompt, speculative_generate, target_generate
 APP_DIR = Path(__file__).resolve().parent
 ACCEPTED, TARGET = "accepted draft", "target token"
 RESULT_KEYS = ("method", "suite", "category", "num_prompts", "tau", "tokens_per_s", "speedup")
-OUTPUT_NAMES = ("osprey", "target_only", "tau", "osprey_tokens_per_s", "target_tokens_per_s", "speedup", "new_tokens",
-                "verify_steps")  # fmt: skip
+OUTPUT_NAMES = (
+    "osprey",
+    "target_only",
+    "tau",
+    "osprey_tokens_per_s",
+    "target_tokens_per_s",
+    "speedup",
+    "new_tokens",
+    "verify_steps",
+)
 
 
 @dataclass(frozen=True)
@@ -143,9 +151,16 @@ class OspreySpace:
         self._check_settings(num_draft_tokens, temperature, max_new_tokens, confidence_threshold)
         target, tokenizer, drafter = self._checked(self.catalog.load, target_name, drafter_name)
         request = _Request(
-            target, tokenizer, drafter, self._encode(prompt, tokenizer).to(target.device), num_draft_tokens,
-            confidence_threshold, temperature, max_new_tokens, self.catalog.lock(target_name),
-        )  # fmt: skip
+            target,
+            tokenizer,
+            drafter,
+            self._encode(prompt, tokenizer).to(target.device),
+            num_draft_tokens,
+            confidence_threshold,
+            temperature,
+            max_new_tokens,
+            self.catalog.lock(target_name),
+        )
         if (target_name, drafter_name) not in self._warm_pairs:  # one-off first-call costs would skew the speedup
             try:
                 _warm_up(request)
@@ -155,11 +170,27 @@ class OspreySpace:
         osprey, stats = yield from _stream_osprey(request)
         target_only, target_rate = None, None
         for target_only, target_rate in _stream_target_only(request, stats.new_tokens):
-            yield _row(osprey, target_only, stats.tau, stats.tokens_per_s, target_rate, None, stats.new_tokens,
-                       stats.verify_steps)  # fmt: skip
+            yield _row(
+                osprey,
+                target_only,
+                stats.tau,
+                stats.tokens_per_s,
+                target_rate,
+                None,
+                stats.new_tokens,
+                stats.verify_steps,
+            )
         speedup = stats.tokens_per_s / target_rate
-        yield _row(osprey, target_only, stats.tau, stats.tokens_per_s, target_rate, speedup, stats.new_tokens,
-                   stats.verify_steps)  # fmt: skip
+        yield _row(
+            osprey,
+            target_only,
+            stats.tau,
+            stats.tokens_per_s,
+            target_rate,
+            speedup,
+            stats.new_tokens,
+            stats.verify_steps,
+        )
 
     def benchmark_view(self):
         """The τ-per-category plot's data and a note: what to run when there are no results, which files were bad."""
@@ -243,13 +274,19 @@ def _stream_osprey(request: _Request):
     generator = torch.Generator(target.device).manual_seed(0)
     job = BackgroundJob(
         lambda emit: speculative_generate(
-            target, request.drafter, request.input_ids, max_new_tokens=request.max_new_tokens,
-            num_draft_tokens=request.num_draft_tokens, confidence_threshold=request.confidence_threshold,
+            target,
+            request.drafter,
+            request.input_ids,
+            max_new_tokens=request.max_new_tokens,
+            num_draft_tokens=request.num_draft_tokens,
+            confidence_threshold=request.confidence_threshold,
             eos_token_id=target.generation_config.eos_token_id,
-            generator=generator, on_tokens=lambda *event: emit(event), **request.sampling,
+            generator=generator,
+            on_tokens=lambda *event: emit(event),
+            **request.sampling,
         ),
         request.lock,
-    )  # fmt: skip
+    )
     text, decided, steps = SegmentedText(request.tokenizer), 0, 0
     for tokens, accepted in _reporting_errors(job):
         tokens = tokens[0].tolist()
@@ -274,11 +311,17 @@ def _stream_target_only(request: _Request, num_tokens: int):
     length = {"min_new_tokens": num_tokens} if request.temperature > 0 else {}
     job = BackgroundJob(
         lambda emit: _timed(
-            target_generate, target, request.input_ids, num_tokens, eos_token_id=target.generation_config.eos_token_id,
-            streamer=_TokenStreamer(emit), **length, **request.sampling,
+            target_generate,
+            target,
+            request.input_ids,
+            num_tokens,
+            eos_token_id=target.generation_config.eos_token_id,
+            streamer=_TokenStreamer(emit),
+            **length,
+            **request.sampling,
         ),
         request.lock,
-    )  # fmt: skip
+    )
     text, start = SegmentedText(tokenizer), time.perf_counter()
     for tokens in _reporting_errors(job):
         text.add(tokens, TARGET)

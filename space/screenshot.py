@@ -24,7 +24,9 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=Path(__file__).resolve().parent / "models.json")
     parser.add_argument("--example", type=int, default=len(EXAMPLES) - 1, help="index into app.EXAMPLES")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--results", type=Path, help="`osprey bench` results folder for the τ plot (default: the app's)")
+    parser.add_argument(
+        "--results", type=Path, help="`osprey bench` results folder for the τ plot (default: the app's)"
+    )
     parser.add_argument("--size", default="1280,1560", help="browser window WIDTH,HEIGHT in pixels")
     parser.add_argument("--output", type=Path, default=Path("docs/space.png"))
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
@@ -43,11 +45,23 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as scratch:
             capture = Path(scratch) / "page.png"
             subprocess.run(
-                [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--hide-scrollbars", f"--user-data-dir={scratch}/profile", f"--window-size={args.size}",
-                 "--virtual-time-budget=20000", f"--screenshot={capture}", demo.local_url],
-                check=True, capture_output=True, timeout=180,
-            )  # fmt: skip
+                [
+                    browser,
+                    "--headless",
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-background-networking",
+                    "--hide-scrollbars",
+                    f"--user-data-dir={scratch}/profile",
+                    f"--window-size={args.size}",
+                    "--virtual-time-budget=20000",
+                    f"--screenshot={capture}",
+                    demo.local_url,
+                ],
+                check=True,
+                capture_output=True,
+                timeout=180,
+            )
             args.output.parent.mkdir(parents=True, exist_ok=True)
             Image.open(capture).convert("RGB").quantize(colors=256).save(args.output, optimize=True)
     finally:

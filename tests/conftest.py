@@ -23,7 +23,6 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-
 # Tiny models are dominated by per-op overhead, which a second thread only adds to (10x on a busy 2-core machine).
 torch.set_num_threads(1)
 

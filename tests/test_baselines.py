@@ -6,22 +6,27 @@ import argparse
 import pytest
 import torch
 from conftest import make_tiny_target
+from test_trainers import char_tokenizer, distill_config, token_dataset
 from transformers import GenerationConfig
 
 from osprey import OspreyConfig, OspreyForDrafting
 from osprey import baselines as baselines_module
 from osprey.baselines import build_baseline, scratch_drafter
 from osprey.decode import speculative_generate
-from test_trainers import char_tokenizer, distill_config, token_dataset
 from trainers import OspreyDistillTrainer
 
 
 def reference_drafter(target, seed: int = 0, **overrides) -> OspreyForDrafting:
     values = dict(
-        vocab_size=target.config.vocab_size, draft_vocab_size=200, hidden_size=32, intermediate_size=64,
-        num_attention_heads=4, num_key_value_heads=2, target_hidden_size=target.config.hidden_size,
+        vocab_size=target.config.vocab_size,
+        draft_vocab_size=200,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        target_hidden_size=target.config.hidden_size,
         target_layer_ids=[1, 3, 4],
-    )  # fmt: skip
+    )
     values.update(overrides)
     torch.manual_seed(seed)
     drafter = OspreyForDrafting(OspreyConfig(**values)).eval()
@@ -52,8 +57,10 @@ def test_residual_stream_must_be_tokens_or_features():
 def test_scratch_control_re_initialises_only_the_body():
     reference = reference_drafter(make_tiny_target("llama"))
     scratch = scratch_drafter(reference, seed=1)
-    assert torch.equal(scratch_drafter(reference, seed=1).model.layers[0].mlp.up_proj.weight,
-                       scratch.model.layers[0].mlp.up_proj.weight)  # fmt: skip
+    assert torch.equal(
+        scratch_drafter(reference, seed=1).model.layers[0].mlp.up_proj.weight,
+        scratch.model.layers[0].mlp.up_proj.weight,
+    )
     for name, tensor in reference.state_dict().items():
         same = torch.equal(tensor, scratch.state_dict()[name])
         is_body_matrix = name.startswith("model.layers.") and "norm" not in name

@@ -100,8 +100,11 @@ def test_steps_read_off_target_calls_equal_the_decoders_own_log(drafter_kind):
 
 def test_sampling_is_reproducible_per_request(models):
     target, drafter, _, tokenizer = models
-    methods = [BenchMethod("target", "target"), BenchMethod("osprey", "drafter:x", drafter=drafter),
-               BenchMethod("pld", "pld:3", prompt_lookup_num_tokens=3)]  # fmt: skip
+    methods = [
+        BenchMethod("target", "target"),
+        BenchMethod("osprey", "drafter:x", drafter=drafter),
+        BenchMethod("pld", "pld:3", prompt_lookup_num_tokens=3),
+    ]
     settings = BenchSettings(max_new_tokens=12, do_sample=True, temperature=0.7, top_k=50, top_p=0.9, seed=3)
     runs = [
         run_benchmark(target, tokenizer, methods, PROMPTS[:2], settings, warmup=False, progress=False) for _ in range(2)
@@ -145,8 +148,14 @@ def test_a_resumed_run_skips_done_requests_and_ends_like_an_uninterrupted_one(mo
     with pytest.raises(ValueError, match="another settings"):
         run_benchmark(target, tokenizer, methods, PROMPTS, BenchSettings(max_new_tokens=8), output_path=output)
     with pytest.raises(ValueError, match="another name"):
-        run_benchmark(target, tokenizer, [BenchMethod("osprey", "pld:3", prompt_lookup_num_tokens=3)], PROMPTS,
-                      SETTINGS, output_path=output)  # fmt: skip
+        run_benchmark(
+            target,
+            tokenizer,
+            [BenchMethod("osprey", "pld:3", prompt_lookup_num_tokens=3)],
+            PROMPTS,
+            SETTINGS,
+            output_path=output,
+        )
     assert output.read_bytes() == saved
 
 
@@ -184,40 +193,53 @@ def _write_jsonl(path, records):
 
 
 def test_suite_loaders_read_the_published_formats(tmp_path):
-    _write_jsonl(tmp_path / "spec_bench/question.jsonl", [
-        {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]},
-        {"question_id": 95, "category": "roleplay", "turns": ["Be a pirate.", "Again."]},
-        {"question_id": 161, "category": "translation", "turns": ["Übersetze: Hallo"]},
-        {"question_id": 401, "category": "rag", "turns": ["Context... Question?"], "reference": ["x"]},
-    ])  # fmt: skip
+    _write_jsonl(
+        tmp_path / "spec_bench/question.jsonl",
+        [
+            {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]},
+            {"question_id": 95, "category": "roleplay", "turns": ["Be a pirate.", "Again."]},
+            {"question_id": 161, "category": "translation", "turns": ["Übersetze: Hallo"]},
+            {"question_id": 401, "category": "rag", "turns": ["Context... Question?"], "reference": ["x"]},
+        ],
+    )
     spec_bench = load_suite("spec_bench", data_dir=tmp_path)
     assert [(p.category, p.prompt_id, p.text) for p in spec_bench] == [
-        ("mt_bench", "81", "Write a poem."), ("mt_bench", "95", "Be a pirate."),
-        ("translation", "161", "Übersetze: Hallo"), ("rag", "401", "Context... Question?"),
-    ]  # fmt: skip
+        ("mt_bench", "81", "Write a poem."),
+        ("mt_bench", "95", "Be a pirate."),
+        ("translation", "161", "Übersetze: Hallo"),
+        ("rag", "401", "Context... Question?"),
+    ]
     for lang, text in (("de", "Schreibe"), ("jp", "書いて")):
-        _write_jsonl(tmp_path / f"mt_bench/{lang}.jsonl", [
-            {"question_id": 81, "category": "writing", "lang": lang, "turns": [f"{text} 1", "two"]},
-            {"question_id": 82, "category": "writing", "lang": lang, "turns": [f"{text} 2", "two"]},
-        ])  # fmt: skip
+        _write_jsonl(
+            tmp_path / f"mt_bench/{lang}.jsonl",
+            [
+                {"question_id": 81, "category": "writing", "lang": lang, "turns": [f"{text} 1", "two"]},
+                {"question_id": 82, "category": "writing", "lang": lang, "turns": [f"{text} 2", "two"]},
+            ],
+        )
     mt_bench = load_suite("mt_bench", data_dir=tmp_path)
     assert [(p.suite, p.category, p.prompt_id, p.text) for p in mt_bench][1:3] == [
-        ("mt_bench", "de", "82", "Schreibe 2"), ("mt_bench", "jp", "81", "書いて 1")
-    ]  # fmt: skip
+        ("mt_bench", "de", "82", "Schreibe 2"),
+        ("mt_bench", "jp", "81", "書いて 1"),
+    ]
     assert [p.category for p in load_suite(str(tmp_path / "mt_bench"))] == ["de", "de", "jp", "jp"]
     _write_jsonl(tmp_path / "mine.jsonl", [{"prompt": "Hi"}, {"id": "x", "category": "c", "text": "Yo"}])
     assert [(p.suite, p.category, p.prompt_id) for p in load_suite(str(tmp_path / "mine.jsonl"))] == [
-        ("mine", "mine", "1"), ("mine", "c", "x")
-    ]  # fmt: skip
-    humaneval = bench_suites.humaneval_prompts(gzip.compress(json.dumps(
-        {"task_id": "HumanEval/0", "prompt": "def f():\n", "entry_point": "f", "test": ""}
-    ).encode()))  # fmt: skip
+        ("mine", "mine", "1"),
+        ("mine", "c", "x"),
+    ]
+    humaneval = bench_suites.humaneval_prompts(
+        gzip.compress(
+            json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n", "entry_point": "f", "test": ""}).encode()
+        )
+    )
     assert [(p.category, p.prompt_id) for p in humaneval] == [("python", "HumanEval/0")]
     assert "def f():\n" in humaneval[0].text
     mmath = bench_suites.mmath_prompts({lang: [{"question": f"{lang}?", "answer": "1", "gid": 7}] for lang in "ab"})
     assert [(p.suite, p.category, p.prompt_id, p.text) for p in mmath] == [
-        ("mmath", "a", "7", "a?"), ("mmath", "b", "7", "b?")
-    ]  # fmt: skip
+        ("mmath", "a", "7", "a?"),
+        ("mmath", "b", "7", "b?"),
+    ]
     with pytest.raises(ValueError, match="--data-dir"):
         load_suite("spec_bench", data_dir=tmp_path / "nowhere")
     with pytest.raises(ValueError, match="neither a suite"):
@@ -239,9 +261,13 @@ def test_subsets_are_seeded_nested_and_parallel_across_languages():
 
 def test_method_specs():
     assert parse_method_specs(["d1", "scratch=d2"], "target, pld:4,small=sps:m,eagle3:e") == [
-        ("osprey", "drafter:d1"), ("scratch", "drafter:d2"), ("target", "target"), ("pld", "pld:4"),
-        ("small", "sps:m"), ("eagle3", "drafter:e"),
-    ]  # fmt: skip
+        ("osprey", "drafter:d1"),
+        ("scratch", "drafter:d2"),
+        ("target", "target"),
+        ("pld", "pld:4"),
+        ("small", "sps:m"),
+        ("eagle3", "drafter:e"),
+    ]
     with pytest.raises(ValueError, match="unique"):
         parse_method_specs(["d1", "d2"], "target")
     with pytest.raises(ValueError, match="Unknown baseline"):
@@ -258,10 +284,24 @@ def test_cli_writes_results_table_and_plot(models, tmp_path, capsys):
     _write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p.text, "category": p.category} for p in PROMPTS])
     output = tmp_path / "out" / "results.json"
     argv = [
-        "bench", "--target", str(tmp_path / "target"), "--drafter", f"osprey={tmp_path / 'drafter'}",
-        "--baselines", "target,pld:3", "--prompts", str(tmp_path / "prompts.jsonl"), "--per-category", "1",
-        "--max-new-tokens", "8", "--device", "cpu", "--output", str(output),
-    ]  # fmt: skip
+        "bench",
+        "--target",
+        str(tmp_path / "target"),
+        "--drafter",
+        f"osprey={tmp_path / 'drafter'}",
+        "--baselines",
+        "target,pld:3",
+        "--prompts",
+        str(tmp_path / "prompts.jsonl"),
+        "--per-category",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--device",
+        "cpu",
+        "--output",
+        str(output),
+    ]
     assert main(argv) == 0
     results = json.loads(output.read_text())
     assert list(results["methods"]) == ["osprey", "target", "pld"]
@@ -296,9 +336,13 @@ def _replication_ratios_module():
 
 def _request(method, prompt_id, tau, output="same"):
     return {
-        "method": method, "suite": "spec_bench", "category": "qa", "prompt_id": prompt_id, "tau": tau,
+        "method": method,
+        "suite": "spec_bench",
+        "category": "qa",
+        "prompt_id": prompt_id,
+        "tau": tau,
         "output_sha256": output,
-    }  # fmt: skip
+    }
 
 
 def test_replication_ratios_compare_only_prompts_every_method_finished():
@@ -319,9 +363,11 @@ def test_replication_ratios_join_another_bench_only_when_both_decoded_alike():
 
     def bench(drafter, tau, target_output):
         return {
-            "target": "t", "settings": settings, "methods": {drafter: "drafter:x", "target": "target"},
+            "target": "t",
+            "settings": settings,
+            "methods": {drafter: "drafter:x", "target": "target"},
             "requests": [_request(drafter, "1", tau), _request("target", "1", 1.0, target_output)],
-        }  # fmt: skip
+        }
 
     joined = ratios.with_drafters_from(bench("osprey", 1.5, "t"), bench("ablation", 1.2, "t"))
     assert list(joined["methods"]) == ["osprey", "target", "ablation"]

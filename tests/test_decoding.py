@@ -12,9 +12,14 @@ from osprey.decode import sampling_processors, speculative_generate
 
 def random_drafter(target, seed: int = 0, **overrides) -> OspreyForDrafting:
     values = dict(
-        vocab_size=target.config.vocab_size, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, target_hidden_size=target.config.hidden_size, target_layer_ids=[1, 3, 4],
-    )  # fmt: skip
+        vocab_size=target.config.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        target_hidden_size=target.config.hidden_size,
+        target_layer_ids=[1, 3, 4],
+    )
     values.update(overrides)
     torch.manual_seed(seed)
     return OspreyForDrafting(OspreyConfig(**values)).eval()
@@ -64,9 +69,13 @@ def plain_greedy(target, input_ids, max_new_tokens, eos_token_id=None):
 
 def assisted_greedy(target, drafter, input_ids, max_new_tokens, eos_token_id=None):
     return target.generate(
-        input_ids, assistant_model=drafter, do_sample=False, max_new_tokens=max_new_tokens,
-        eos_token_id=eos_token_id, pad_token_id=0,
-    )  # fmt: skip
+        input_ids,
+        assistant_model=drafter,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
+    )
 
 
 CASES = [(1, 0, 3), (9, 1, 23), (5, 2, 40)]  # (prompt length, prompt seed, max_new_tokens)
@@ -214,13 +223,21 @@ def test_speculative_sampling_matches_the_target_distribution(sampling_pair, rou
     torch.manual_seed(1234)
 
     if route == "assisted_generate":
+
         def generate_once():
             output = target.generate(
-                input_ids, assistant_model=drafter, do_sample=True, temperature=temperature, top_k=0,
-                max_new_tokens=3, eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
+                input_ids,
+                assistant_model=drafter,
+                do_sample=True,
+                temperature=temperature,
+                top_k=0,
+                max_new_tokens=3,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
             return output[0, second_position]
     else:
+
         def generate_once():
             output, _ = speculative_generate(
                 target, drafter, input_ids, max_new_tokens=3, do_sample=True, temperature=temperature
@@ -257,7 +274,9 @@ def test_drafter_names_its_target_and_refuses_another_of_the_same_shape():
         drafter.attach_target(target)
         drafter.detach_target()
     target.config.name_or_path = "/cache/osprey/models/qwen2.5-coder-0.5b-instruct"
-    with pytest.raises(ValueError, match="converted for 'qwen2.5-coder-1.5b-instruct', not .*0.5b.*target_name_or_path"):
+    with pytest.raises(
+        ValueError, match="converted for 'qwen2.5-coder-1.5b-instruct', not .*0.5b.*target_name_or_path"
+    ):
         drafter.attach_target(target)
     with pytest.raises(ValueError, match="converted for 'qwen2.5-coder-1.5b-instruct'"):
         speculative_generate(target, drafter, prompt(4, 0), max_new_tokens=4)
@@ -303,9 +322,16 @@ def test_target_with_unrollbackable_state_is_refused():
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     target = Qwen3NextForCausalLM(config).eval()  # linear-attention layers keep a recurrent state
     drafter = random_drafter(target)
     drafter.attach_target(target)
@@ -320,7 +346,11 @@ def test_streamed_tokens_rebuild_the_output_and_mark_accepted_drafts():
     input_ids = prompt(9, 1)
     streamed = []
     output, stats = speculative_generate(
-        target, drafter, input_ids, max_new_tokens=30, on_tokens=lambda tokens, accepted: streamed.append((tokens, accepted))
+        target,
+        drafter,
+        input_ids,
+        max_new_tokens=30,
+        on_tokens=lambda tokens, accepted: streamed.append((tokens, accepted)),
     )
     assert streamed[0][1] is None and streamed[0][0].shape == (1, 1)  # the prefill's token
     assert [accepted for _, accepted in streamed[1:]] == stats.accepted_per_step

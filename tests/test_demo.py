@@ -31,7 +31,9 @@ def test_packed_drafter_round_trips_within_int8_row_error(packed):
     restored = load_drafter(tmp_path / "packed")
     assert restored.config.target_name_or_path == str(tmp_path / "target")
     restored.config.target_name_or_path = drafter.config.target_name_or_path
-    assert restored.config.to_diff_dict() | {"_name_or_path": ""} == drafter.config.to_diff_dict() | {"_name_or_path": ""}
+    assert restored.config.to_diff_dict() | {"_name_or_path": ""} == drafter.config.to_diff_dict() | {
+        "_name_or_path": ""
+    }
     original = drafter.state_dict()
     quantized = 0
     for name, tensor in restored.state_dict().items():
@@ -71,8 +73,10 @@ def test_pack_and_demo_refuse_bad_input(packed, tmp_path, capsys):
     assert drafter.config.target_name_or_path is None  # built in memory: no recorded target
     assert main(["pack", "--drafter", str(tmp_path / "drafter"), "--output", str(tmp_path / "again")]) == 2
     assert "--target" in capsys.readouterr().err and not (tmp_path / "again").exists()
-    assert main(["pack", "--drafter", str(tmp_path / "drafter"), "--output", str(tmp_path / "packed"),
-                 "--target", "x"]) == 2  # fmt: skip
+    assert (
+        main(["pack", "--drafter", str(tmp_path / "drafter"), "--output", str(tmp_path / "packed"), "--target", "x"])
+        == 2
+    )
     assert "not an empty directory" in capsys.readouterr().err  # nothing saved is overwritten
     assert main(["demo", "--drafter", str(tmp_path / "drafter")]) == 2  # names no target
     assert "--target" in capsys.readouterr().err

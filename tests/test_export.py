@@ -25,7 +25,6 @@ from osprey import OspreyConfig, OspreyForDrafting
 from osprey import export as export_module
 from osprey.export import SGLANG, SPECULATORS, export_drafter
 
-
 TAPS = [1, 3, 6]
 FUSED_SHARDS = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj"}
 FUSED_SHARDS |= {".gate_proj": ".gate_up_proj", ".up_proj": ".gate_up_proj"}
@@ -34,11 +33,22 @@ FUSED_SHARDS |= {".gate_proj": ".gate_up_proj", ".up_proj": ".gate_up_proj"}
 def eagle3_drafter(num_layers=1, draft_vocab_size=40, attention_bias=False, hidden_size=32, seed=0, **overrides):
     """A random EAGLE-3-style drafter (feature residual) with perturbed norms and an unsorted reduced vocabulary."""
     values = {
-        "vocab_size": 64, "draft_vocab_size": draft_vocab_size, "hidden_size": hidden_size, "intermediate_size": 48,
-        "num_hidden_layers": num_layers, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-        "rms_norm_eps": 1e-6, "rope_theta": 5e5, "initializer_range": 0.2, "target_hidden_size": 24,
-        "target_layer_ids": TAPS, "residual_stream": "features", "attention_bias": attention_bias,
-    }  # fmt: skip
+        "vocab_size": 64,
+        "draft_vocab_size": draft_vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": 48,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 5e5,
+        "initializer_range": 0.2,
+        "target_hidden_size": 24,
+        "target_layer_ids": TAPS,
+        "residual_stream": "features",
+        "attention_bias": attention_bias,
+    }
     values.update(overrides)
     torch.manual_seed(seed)
     drafter = OspreyForDrafting(OspreyConfig(**values))
@@ -215,8 +225,13 @@ def engine_eagle3_forward(tensors, config, export_format, input_ids, hidden_inpu
         prefix = f"layers.{index}."
         if index == 0:
             residual = hidden  # norm_before_residual = false
-            x = torch.cat([rms_norm(embeds, weights[prefix + "input_layernorm.weight"]),
-                           rms_norm(hidden, weights[prefix + "hidden_norm.weight"])], -1)  # fmt: skip
+            x = torch.cat(
+                [
+                    rms_norm(embeds, weights[prefix + "input_layernorm.weight"]),
+                    rms_norm(hidden, weights[prefix + "hidden_norm.weight"]),
+                ],
+                -1,
+            )
         else:
             residual = hidden + residual
             x = rms_norm(residual, weights[prefix + "input_layernorm.weight"])
@@ -296,16 +311,20 @@ def test_export_of_a_target_wide_drafter_checks_the_shared_embedding(tmp_path, e
     drafter = eagle3_drafter(hidden_size=24)
     target_dir = tmp_path / "target"
     target_dir.mkdir()
-    save_file({"model.embed_tokens.weight": drafter.model.embed_tokens.weight.detach().clone()},
-              target_dir / "model.safetensors")  # fmt: skip
+    save_file(
+        {"model.embed_tokens.weight": drafter.model.embed_tokens.weight.detach().clone()},
+        target_dir / "model.safetensors",
+    )
     LlamaConfig(
         vocab_size=64, hidden_size=24, num_attention_heads=4, architectures=["LlamaForCausalLM"]
     ).save_pretrained(target_dir)
     tensors, config = exported(drafter, export_format, tmp_path, target=target_dir)
     assert torch.equal(tensors["embed_tokens.weight"], drafter.model.embed_tokens.weight)
     if export_format == SPECULATORS:
-        assert config["speculators_config"]["verifier"] == {"name_or_path": str(target_dir),
-                                                             "architectures": ["LlamaForCausalLM"]}  # fmt: skip
+        assert config["speculators_config"]["verifier"] == {
+            "name_or_path": str(target_dir),
+            "architectures": ["LlamaForCausalLM"],
+        }
     with torch.no_grad():
         drafter.model.embed_tokens.weight.add_(1.0)
     with pytest.raises(ValueError, match="they differ"):
@@ -319,7 +338,9 @@ def test_cli_exports_a_saved_drafter_with_its_license(tmp_path, capsys):
     (drafter_dir / "LICENSE").write_text("terms")
     parser = argparse.ArgumentParser()
     export_module.add_subcommand(parser.add_subparsers())
-    args = parser.parse_args(["export", "--drafter", str(drafter_dir), "--format", "speculators", "--output", str(tmp_path / "out")])
+    args = parser.parse_args(
+        ["export", "--drafter", str(drafter_dir), "--format", "speculators", "--output", str(tmp_path / "out")]
+    )
     assert args.run(args) == 0 and "exported" in capsys.readouterr().out
     assert {path.name for path in (tmp_path / "out").iterdir()} == {"config.json", "model.safetensors", "LICENSE"}
     config = json.loads((tmp_path / "out" / "config.json").read_text())

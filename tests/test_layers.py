@@ -90,7 +90,8 @@ def violations(path: Path, source: str | None = None) -> list[str]:
 
 def _is_relative_in(source: str, line: int) -> bool:
     return any(
-        isinstance(node, ast.ImportFrom) and node.lineno == line and node.level > 0 for node in ast.walk(ast.parse(source))
+        isinstance(node, ast.ImportFrom) and node.lineno == line and node.level > 0
+        for node in ast.walk(ast.parse(source))
     )
 
 

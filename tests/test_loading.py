@@ -52,9 +52,9 @@ def test_every_loader_builds_the_installed_drafter_class_not_the_copied_files(sa
     copied.write_text(copied.read_text() + "\nraise RuntimeError('the copied remote code ran')\n")  # ... a stale copy
     assert type(load_drafter(drafter_dir)).__module__ == INSTALLED_MODULE
     tokenizer = models[3]
-    assert type(load_method("osprey", f"drafter:{drafter_dir}", tokenizer, torch.float32, "cpu").drafter).__module__ == (
-        INSTALLED_MODULE
-    )
+    assert type(
+        load_method("osprey", f"drafter:{drafter_dir}", tokenizer, torch.float32, "cpu").drafter
+    ).__module__ == (INSTALLED_MODULE)
     assert type(load_drafter(DEMO_DRAFTER_DIR)).__module__ == INSTALLED_MODULE  # packed
 
 
@@ -133,9 +133,13 @@ WITHOUT_PACKAGE = textwrap.dedent(
 
 def decode_without_package(drafter_dir, target_dir, input_ids, max_new_tokens, tmp_path) -> dict:
     env = {
-        "PATH": os.environ["PATH"], "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
-        "HF_MODULES_CACHE": str(tmp_path / "modules"), "OMP_NUM_THREADS": "1",
-    }  # fmt: skip
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_MODULES_CACHE": str(tmp_path / "modules"),
+        "OMP_NUM_THREADS": "1",
+    }
     command = [sys.executable, "-I", "-c", WITHOUT_PACKAGE, str(drafter_dir), str(target_dir)]
     command += [json.dumps(input_ids[0].tolist()), str(max_new_tokens)]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

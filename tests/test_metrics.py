@@ -31,8 +31,10 @@ def test_acceptance_length_by_hand(metrics):
     assert without_bonus == pytest.approx(5 / 3)
     # A request without verification steps has no τ and is left out; plain decoding (nothing accepted) has τ = 1.
     assert acceptance_length.compute(accepted_per_step=[[0, 0], []]) == {
-        "acceptance_length": 1.0, "num_requests": 1, "num_steps": 2
-    }  # fmt: skip
+        "acceptance_length": 1.0,
+        "num_requests": 1,
+        "num_steps": 2,
+    }
     acceptance_length.add_batch(accepted_per_step=ACCEPTED[:1])
     acceptance_length.add(accepted_per_step=ACCEPTED[1])
     assert acceptance_length.compute()["acceptance_length"] == pytest.approx(8 / 3)
@@ -65,20 +67,29 @@ def test_speedup_by_hand(metrics):
 
 def _row(method, prompt_id, accepted, drafted, seconds, tokens):
     return {
-        "method": method, "suite": "s", "category": "c", "prompt_id": prompt_id, "new_tokens": tokens,
-        "wall_time_s": seconds, "tau": sum(a + 1 for a in accepted) / len(accepted), "accepted_per_step": accepted,
-        "drafted_per_step": drafted, "output_sha256": prompt_id,
+        "method": method,
+        "suite": "s",
+        "category": "c",
+        "prompt_id": prompt_id,
+        "new_tokens": tokens,
+        "wall_time_s": seconds,
+        "tau": sum(a + 1 for a in accepted) / len(accepted),
+        "accepted_per_step": accepted,
+        "drafted_per_step": drafted,
+        "output_sha256": prompt_id,
         "time_split_s": {"prefill": 0.1, "verify": seconds / 2, "draft": seconds / 4, "other": seconds / 4 - 0.1},
-    }  # fmt: skip
+    }
 
 
 def test_metrics_agree_with_the_benchmark_records(metrics):
     target_rows = [_row("target", "1", [0] * 9, [0] * 9, 3.0, 10), _row("target", "2", [0] * 4, [0] * 4, 3.0, 5)]
     osprey_rows = [_row("osprey", "1", ACCEPTED[0], DRAFTED[0], 1.0, 10), _row("osprey", "2", [1, 2], [3, 3], 2.0, 5)]
     results = {
-        "settings": {"do_sample": False}, "methods": {"target": "target", "osprey": "drafter:x"},
-        "prompts": {"s": {"c": ["1", "2"]}}, "requests": target_rows + osprey_rows,
-    }  # fmt: skip
+        "settings": {"do_sample": False},
+        "methods": {"target": "target", "osprey": "drafter:x"},
+        "prompts": {"s": {"c": ["1", "2"]}},
+        "requests": target_rows + osprey_rows,
+    }
     record = next(r for r in summarize(results) if r["method"] == "osprey" and r["category"] == "c")
     accepted = [row["accepted_per_step"] for row in osprey_rows]
     drafted = [row["drafted_per_step"] for row in osprey_rows]
@@ -88,10 +99,11 @@ def test_metrics_agree_with_the_benchmark_records(metrics):
     position = metrics["position_acceptance"].compute(accepted_per_step=accepted, drafted_per_step=drafted)
     assert record["position_acceptance"] == pytest.approx(position["position_acceptance"])
     speedup = metrics["speedup"].compute(
-        time_s=[row["wall_time_s"] for row in osprey_rows], new_tokens=[row["new_tokens"] for row in osprey_rows],
+        time_s=[row["wall_time_s"] for row in osprey_rows],
+        new_tokens=[row["new_tokens"] for row in osprey_rows],
         baseline_time_s=[row["wall_time_s"] for row in target_rows],
         baseline_new_tokens=[row["new_tokens"] for row in target_rows],
-    )  # fmt: skip
+    )
     assert record["speedup"] == pytest.approx(speedup["speedup"])
 
 

@@ -8,8 +8,17 @@ import textwrap
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from osprey import OspreyConfig, OspreyForDrafting, OspreyModel
 
@@ -82,11 +91,24 @@ def test_config_json_round_trip_keeps_every_public_field(tmp_path):
     config.save_pretrained(tmp_path)
     reloaded = AutoConfig.from_pretrained(tmp_path)
     for name in [
-        "vocab_size", "draft_vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-        "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
-        "max_position_embeddings", "target_hidden_size", "target_layer_ids", "target_model_type",
-        "backbone_model_type", "use_qk_norm", "attention_bias",
-    ]:  # fmt: skip
+        "vocab_size",
+        "draft_vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "max_position_embeddings",
+        "target_hidden_size",
+        "target_layer_ids",
+        "target_model_type",
+        "backbone_model_type",
+        "use_qk_norm",
+        "attention_bias",
+    ]:
         assert getattr(reloaded, name) == getattr(config, name), name
 
 
@@ -136,7 +158,9 @@ def test_incremental_decoding_with_cache_matches_full_forward():
     pieces = [prefix.logits]
     for position in range(6, 10):
         step = drafter(
-            input_ids[:, position : position + 1], target_hidden_states=features[:, position : position + 1], cache=cache
+            input_ids[:, position : position + 1],
+            target_hidden_states=features[:, position : position + 1],
+            cache=cache,
         )
         pieces.append(step.logits)
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
@@ -175,12 +199,16 @@ def test_full_4d_mask_is_used_as_given():
     isolated = drafter(input_ids, target_hidden_states=features, attention_mask=diagonal_only, use_cache=False).logits
     one_by_one = torch.cat(
         [
-            drafter(input_ids[:, i : i + 1], target_hidden_states=features[:, i : i + 1], position_ids=torch.tensor([[i]]),
-                    use_cache=False).logits
+            drafter(
+                input_ids[:, i : i + 1],
+                target_hidden_states=features[:, i : i + 1],
+                position_ids=torch.tensor([[i]]),
+                use_cache=False,
+            ).logits
             for i in range(6)
         ],
         dim=1,
-    )  # fmt: skip
+    )
     torch.testing.assert_close(isolated, one_by_one, rtol=1e-5, atol=1e-5)
 
 
@@ -210,11 +238,18 @@ def test_zero_feature_half_computes_exactly_the_backbone(family):
     torch.manual_seed(0)
     backbone = model_class(
         config_class(
-            vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+            vocab_size=96,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 5e5},
             tie_word_embeddings=False,
         )
-    ).eval()  # fmt: skip
+    ).eval()
     with torch.no_grad():  # biases and norm weights start at 0 / 1; perturb them so copying is really tested
         for name, parameter in backbone.named_parameters():
             if "norm" in name or name.endswith("bias"):
@@ -223,7 +258,11 @@ def test_zero_feature_half_computes_exactly_the_backbone(family):
     drafter_state = drafter.state_dict()
     with torch.no_grad():
         for name, tensor in backbone.state_dict().items():
-            if ".self_attn." in name and name.split(".")[-2] in ("q_proj", "k_proj", "v_proj") and name.endswith("weight"):
+            if (
+                ".self_attn." in name
+                and name.split(".")[-2] in ("q_proj", "k_proj", "v_proj")
+                and name.endswith("weight")
+            ):
                 widened = torch.zeros_like(drafter_state[name]) if name.startswith("model.layers.0.") else None
                 if widened is not None:
                     widened[:, 64:] = tensor  # [0 | W]: nothing flows from the target features yet
@@ -248,7 +287,8 @@ def test_save_load_preserves_every_tensor(tmp_path, overrides):
     assert_same_state_dict(drafter, reloaded)
     input_ids, features = random_inputs(drafter.config)
     torch.testing.assert_close(
-        reloaded(input_ids, target_hidden_states=features).logits, drafter(input_ids, target_hidden_states=features).logits
+        reloaded(input_ids, target_hidden_states=features).logits,
+        drafter(input_ids, target_hidden_states=features).logits,
     )
     body = AutoModel.from_pretrained(tmp_path)
     assert isinstance(body, OspreyModel)
@@ -321,8 +361,12 @@ def test_trust_remote_code_round_trip_offline_without_the_package(tmp_path):
     }
     result = subprocess.run(
         [sys.executable, "-I", str(script), str(checkpoint), inputs_path],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     remote = torch.load(inputs_path + ".out")
     with torch.no_grad():

@@ -6,12 +6,11 @@ import copy
 
 import pytest
 import torch
+from test_vocab_alignment import byte_level_tokenizer
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from osprey import prune as prune_module
 from osprey.prune import block_influence, perplexity, prune
-from test_vocab_alignment import byte_level_tokenizer
-
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 TEXT = "hello world, the wonder of the world is hello again.\n" * 4
@@ -143,7 +142,16 @@ def test_cli_saves_model_tokenizer_and_prints_perplexities(tiny_target_factory, 
     (source / "LICENSE").write_text("terms that travel with derived checkpoints")
     (tmp_path / "calibration.txt").write_text(TEXT)
     output = tmp_path / "pruned"
-    arguments = ["--backbone", str(source), "--num-layers", "2", "--output", str(output), "--strategy", "block-influence"]
+    arguments = [
+        "--backbone",
+        str(source),
+        "--num-layers",
+        "2",
+        "--output",
+        str(output),
+        "--strategy",
+        "block-influence",
+    ]
     text_file = str(tmp_path / "calibration.txt")
     calibration = ["--calibration-file", text_file, "--eval-file", text_file]
     assert _cli(arguments + calibration) == 0

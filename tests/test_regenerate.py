@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 from conftest import make_tiny_target
 from datasets import Dataset
 from test_trainers import char_tokenizer

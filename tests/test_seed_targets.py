@@ -18,7 +18,6 @@ from osprey.convert import convert, drafter_config
 from osprey.presets import PRESETS, resolve_preset
 from trainers import OspreyDistillTrainer
 
-
 # Each architecture's special tokens as its chat template uses them; the first three are unk, bos and eos.
 SPECIAL_TOKENS = {
     "qwen3": ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
@@ -26,25 +25,54 @@ SPECIAL_TOKENS = {
     "minimax_m2": ("]!d~[", "]~!b[", "[e~[", "]~b]"),
 }
 LLAMA3_ROPE = {
-    "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "rope_type": "llama3",
+    "rope_theta": 5e5,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
-}  # fmt: skip
+}
 # The published configs' shapes (only what the presets and the drafter read).
 FULL_SIZE_TARGETS = {
-    "qwen3-8b": (Qwen3Config, {
-        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    }),
-    "llama-3.3-70b-instruct": (LlamaConfig, {
-        "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-        "num_attention_heads": 64, "num_key_value_heads": 8, "rope_parameters": LLAMA3_ROPE,
-    }),
-    "minimax-m2.5": (MiniMaxM2Config, {
-        "vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62,
-        "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 256,
-        "num_experts_per_tok": 8,
-    }),
-}  # fmt: skip
+    "qwen3-8b": (
+        Qwen3Config,
+        {
+            "vocab_size": 151936,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+        },
+    ),
+    "llama-3.3-70b-instruct": (
+        LlamaConfig,
+        {
+            "vocab_size": 128256,
+            "hidden_size": 8192,
+            "intermediate_size": 28672,
+            "num_hidden_layers": 80,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "rope_parameters": LLAMA3_ROPE,
+        },
+    ),
+    "minimax-m2.5": (
+        MiniMaxM2Config,
+        {
+            "vocab_size": 200064,
+            "hidden_size": 3072,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 62,
+            "num_attention_heads": 48,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "num_local_experts": 256,
+            "num_experts_per_tok": 8,
+        },
+    ),
+}
 
 
 def target_tokenizer(arch: str):
@@ -135,9 +163,11 @@ def test_seed_architecture_converts_distills_and_decodes_losslessly(arch, tmp_pa
     assert not feature_columns.any()  # converted: the drafter does not read the target yet
 
     trainer = OspreyDistillTrainer(
-        drafter, distill_config(tmp_path, max_steps=1, logging_steps=1), train_dataset=token_dataset(4, 20),
+        drafter,
+        distill_config(tmp_path, max_steps=1, logging_steps=1),
+        train_dataset=token_dataset(4, 20),
         target_model=target,
-    )  # fmt: skip
+    )
     trainer.train()
     assert torch.isfinite(torch.tensor(logged(trainer, "loss") + logged(trainer, "ttt_loss_2"))).all()
     feature_columns = drafter.model.layers[0].self_attn.q_proj.weight[:, : drafter.config.hidden_size]

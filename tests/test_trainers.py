@@ -32,7 +32,6 @@ from trainers import (
 )
 from trainers.cli import add_subcommand
 
-
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -48,18 +47,27 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )  # fmt: skip
+    )
     tokenizer.chat_template = CHATML
     return tokenizer
 
 
 def tiny_drafter(target, seed: int = 0, **overrides) -> OspreyForDrafting:
     values = dict(
-        vocab_size=target.config.vocab_size, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, target_hidden_size=target.config.hidden_size, target_layer_ids=TAPS,
-    )  # fmt: skip
+        vocab_size=target.config.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        target_hidden_size=target.config.hidden_size,
+        target_layer_ids=TAPS,
+    )
     values.update(overrides)
     torch.manual_seed(seed)
     return OspreyForDrafting(OspreyConfig(**values))
@@ -74,18 +82,32 @@ def token_dataset(num_sequences: int, length: int, seed: int = 0) -> Dataset:
 
 def distill_config(tmp_path, **overrides) -> OspreyDistillConfig:
     values = dict(
-        output_dir=str(tmp_path / "distill"), per_device_train_batch_size=4, learning_rate=3e-3, logging_steps=5,
-        save_strategy="no", report_to="none", disable_tqdm=True, seed=0, ttt_steps=3,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "distill"),
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        logging_steps=5,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        ttt_steps=3,
+    )
     values.update(overrides)
     return OspreyDistillConfig(**values)
 
 
 def pretrain_config(tmp_path, **overrides) -> OspreyPretrainConfig:
     values = dict(
-        output_dir=str(tmp_path / "pretrain"), per_device_train_batch_size=4, max_length=64, learning_rate=3e-3,
-        logging_steps=5, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "pretrain"),
+        per_device_train_batch_size=4,
+        max_length=64,
+        learning_rate=3e-3,
+        logging_steps=5,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
     values.update(overrides)
     return OspreyPretrainConfig(**values)
 
@@ -166,9 +188,16 @@ def test_ttt_unroll_equals_step_by_step_decoding(draft_vocab_size):
     loss_mask[0, 6] = 0
     features, draft_logits, argmax = target_signals(target, drafter, input_ids, attention_mask)
     output = ttt_loss(
-        drafter, input_ids, features, draft_logits, argmax, loss_mask, drafter.draft_to_target, num_steps=4,
+        drafter,
+        input_ids,
+        features,
+        draft_logits,
+        argmax,
+        loss_mask,
+        drafter.draft_to_target,
+        num_steps=4,
         return_logits=True,
-    )  # fmt: skip
+    )
     expected_loss, expected_steps, expected_logits = reference_ttt(
         drafter, input_ids, lengths, features, draft_logits, loss_mask, num_steps=4, decay=0.8
     )
@@ -228,8 +257,9 @@ def test_feature_cache_trains_exactly_like_the_live_target(tmp_path, arch, overr
     torch.testing.assert_close(live.compute_loss(drafter, live_batch), cached.compute_loss(drafter, cached_batch))
     cached.train()
     with pytest.raises(ValueError, match="target_layer_ids"):
-        OspreyDistillTrainer(tiny_drafter(target, target_layer_ids=[0, 3, 4]), distill_config(tmp_path),
-                             train_dataset=cache)  # fmt: skip
+        OspreyDistillTrainer(
+            tiny_drafter(target, target_layer_ids=[0, 3, 4]), distill_config(tmp_path), train_dataset=cache
+        )
     with pytest.raises(ValueError, match="already exists"):
         build_feature_cache(target, {"train": dataset}, cache_dir, TAPS)
 
@@ -289,13 +319,14 @@ def test_chat_examples_train_on_assistant_tokens_only():
 def test_distillation_tokenizes_chats_with_the_target_tokenizer(tmp_path):
     tokenizer = char_tokenizer()
     target = make_tiny_target("llama", vocab_size=128)
-    chats = [
-        [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i} {i}!"}] for i in range(8)
-    ]
+    chats = [[{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i} {i}!"}] for i in range(8)]
     trainer = OspreyDistillTrainer(
-        tiny_drafter(target), distill_config(tmp_path, max_steps=2),
-        train_dataset=Dataset.from_dict({"messages": chats}), target_model=target, processing_class=tokenizer,
-    )  # fmt: skip
+        tiny_drafter(target),
+        distill_config(tmp_path, max_steps=2),
+        train_dataset=Dataset.from_dict({"messages": chats}),
+        target_model=target,
+        processing_class=tokenizer,
+    )
     assert trainer.train_dataset.column_names == ["input_ids", "loss_mask"]
     trainer.train()
     assert math.isfinite(logged(trainer, "train_loss")[0])
@@ -319,9 +350,12 @@ def test_streamed_datasets_train(tmp_path):
     OspreyPretrainer(model, config, train_dataset=streamed["train"], processing_class=char_tokenizer()).train()
     target = make_tiny_target("llama", vocab_size=128)
     trainer = OspreyDistillTrainer(
-        tiny_drafter(target), distill_config(tmp_path, max_steps=2, max_length=24), train_dataset=streamed["train"],
-        target_model=target, processing_class=char_tokenizer(),
-    )  # fmt: skip
+        tiny_drafter(target),
+        distill_config(tmp_path, max_steps=2, max_length=24),
+        train_dataset=streamed["train"],
+        target_model=target,
+        processing_class=char_tokenizer(),
+    )
     trainer.train()
     assert trainer.state.global_step == 2
 
@@ -331,8 +365,9 @@ def test_self_distillation_on_packed_batches(tmp_path):
     parent = make_tiny_target("llama", vocab_size=128, num_hidden_layers=4)
     student = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2, seed=1).train()
     config = pretrain_config(tmp_path, max_steps=20, distill_weight=0.5, temperature=2.0, packing_strategy="bfd_split")
-    trainer = OspreyPretrainer(student, config, train_dataset=text_dataset(), processing_class=tokenizer,
-                               parent_model=parent)  # fmt: skip
+    trainer = OspreyPretrainer(
+        student, config, train_dataset=text_dataset(), processing_class=tokenizer, parent_model=parent
+    )
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     assert "position_ids" in batch and batch["input_ids"].shape[0] == 1  # padding-free packing
     # Reference: every packed document on its own, CE + 0.5 * T^2 * KL averaged over all trained tokens.
@@ -398,9 +433,14 @@ def test_pretraining_resumes_exactly(tmp_path):
     def make_trainer(output_dir, max_steps, save_steps=None):
         model = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2).train()
         config = pretrain_config(
-            tmp_path, output_dir=str(output_dir), max_steps=max_steps, lr_scheduler_type="cosine", warmup_steps=2,
-            save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        )  # fmt: skip
+            tmp_path,
+            output_dir=str(output_dir),
+            max_steps=max_steps,
+            lr_scheduler_type="cosine",
+            warmup_steps=2,
+            save_strategy="steps" if save_steps else "no",
+            save_steps=save_steps or 500,
+        )
         return OspreyPretrainer(model, config, train_dataset=text_dataset(), processing_class=char_tokenizer())
 
     expected, resumed = interrupted_and_resumed(tmp_path, make_trainer, total_steps=8, interrupt_at=3)
@@ -413,9 +453,13 @@ def test_distillation_resumes_exactly(tmp_path):
 
     def make_trainer(output_dir, max_steps, save_steps=None):
         config = distill_config(
-            tmp_path, output_dir=str(output_dir), max_steps=max_steps, lr_scheduler_type="cosine",
-            save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        )  # fmt: skip
+            tmp_path,
+            output_dir=str(output_dir),
+            max_steps=max_steps,
+            lr_scheduler_type="cosine",
+            save_strategy="steps" if save_steps else "no",
+            save_steps=save_steps or 500,
+        )
         return OspreyDistillTrainer(
             tiny_drafter(target), config, train_dataset=token_dataset(32, 12), target_model=target
         )
@@ -446,8 +490,14 @@ def test_cli_pretrain_and_distill_from_yaml_with_overrides(tmp_path):
     backbone.save_pretrained(tmp_path / "backbone")
     tokenizer.save_pretrained(tmp_path / "backbone")
     text_dataset(16).to_json(tmp_path / "corpus.jsonl")
-    config = {"model_name_or_path": str(tmp_path / "backbone"), "dataset_name": str(tmp_path / "corpus.jsonl"),
-              "output_dir": str(tmp_path / "out"), "max_steps": 50, "max_length": 32, "report_to": "none"}  # fmt: skip
+    config = {
+        "model_name_or_path": str(tmp_path / "backbone"),
+        "dataset_name": str(tmp_path / "corpus.jsonl"),
+        "output_dir": str(tmp_path / "out"),
+        "max_steps": 50,
+        "max_length": 32,
+        "report_to": "none",
+    }
     (tmp_path / "pretrain.yaml").write_text(yaml.safe_dump(config))
     args = osprey_parser().parse_args(["pretrain", "--config", str(tmp_path / "pretrain.yaml"), "--max_steps", "2"])
     assert args.run(args) == 0
@@ -459,9 +509,23 @@ def test_cli_pretrain_and_distill_from_yaml_with_overrides(tmp_path):
     tokenizer.save_pretrained(tmp_path / "target")
     tiny_drafter(target).save_pretrained(tmp_path / "drafter")
     (tmp_path / "drafter" / "alignment_report.json").write_text('{"target": "tiny"}')
-    argv = ["distill", "--drafter", str(tmp_path / "drafter"), "--target_model", str(tmp_path / "target"),
-            "--dataset_name", str(tmp_path / "corpus.jsonl"), "--output_dir", str(tmp_path / "distilled"),
-            "--max_steps", "2", "--max_length", "24", "--report_to", "none"]  # fmt: skip
+    argv = [
+        "distill",
+        "--drafter",
+        str(tmp_path / "drafter"),
+        "--target_model",
+        str(tmp_path / "target"),
+        "--dataset_name",
+        str(tmp_path / "corpus.jsonl"),
+        "--output_dir",
+        str(tmp_path / "distilled"),
+        "--max_steps",
+        "2",
+        "--max_length",
+        "24",
+        "--report_to",
+        "none",
+    ]
     args = osprey_parser().parse_args(argv)
     assert args.run(args) == 0
     assert OspreyForDrafting.from_pretrained(tmp_path / "distilled").config.target_layer_ids == TAPS

@@ -11,7 +11,6 @@ from transformers import PreTrainedTokenizerFast
 
 from osprey.vocab_alignment import align_vocabularies, select_draft_vocab, token_bytes
 
-
 CHATML = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<file_sep>")
 GEMMA_STYLE = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>", "<|file_sep|>")
 SOURCE_WORDS = (" hello", "hello", " world", " the", " wonder", "fi", "\n\n", "你")
@@ -176,7 +175,8 @@ def test_report_counts_every_row_once_and_is_json(alignment, target):
     report = json.loads(json.dumps(alignment.report()))
     assert sum(report["counts"].values()) == report["target_rows"] == len(target) + 3
     assert report["counts"]["special"] == 6 and report["unmapped_special_tokens"] == {
-        "count": 2, "examples": ["<pad>", "<mask>"]
+        "count": 2,
+        "examples": ["<pad>", "<mask>"],
     }
 
 

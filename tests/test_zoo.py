@@ -16,7 +16,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from osprey import zoo
 from osprey.cli import main
 
-
 FAKE_NAME = "fake-model"
 FAKE_PARTS = {
     zoo.WheelMember("fake-part1==1.0", "fake_part1/data/part01.bin"): b"GGUF" + b"\x01" * 1000,

@@ -6,7 +6,6 @@ Names are imported on first use, so that the `osprey` CLI stays quick to start (
 
 import importlib
 
-
 _EXPORTS = {
     "OspreyPretrainConfig": "pretrain",
     "OspreyPretrainer": "pretrain",

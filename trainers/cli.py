@@ -9,7 +9,6 @@ import argparse
 import importlib
 from pathlib import Path
 
-
 TRL_STAGES = {
     "pretrain": ("trainers.pretrain", "train a pruned backbone on general text (stage 2)"),
     "features": ("trainers.feature_cache", "precompute a target's features for distillation"),
@@ -19,7 +18,7 @@ TRL_STAGES = {
 
 
 def add_subcommand(subparsers) -> None:
-    """Adds `osprey data` and the TrlParser stages (`pretrain`, `features`, `distill`, `regenerate`) (see `osprey.cli`)."""
+    """Adds `osprey data` and the TrlParser stages: `pretrain`, `features`, `distill`, `regenerate` (`osprey.cli`)."""
     for name, (module, help_text) in TRL_STAGES.items():
         # No option is parsed here (`prefix_chars` avoids "-"): TrlParser gets the arguments, `--help` included.
         parser = subparsers.add_parser(name, help=help_text, add_help=False, prefix_chars="+")
@@ -31,10 +30,13 @@ def add_subcommand(subparsers) -> None:
     parser.add_argument("--cache-dir", help="cache root (default: $OSPREY_HOME or ~/.cache/osprey)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the corpus is already built")
     parser.add_argument(
-        "--exclude-prompts", nargs="+", type=Path, metavar="FILE",
+        "--exclude-prompts",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
         help="sharegpt: JSONL files of evaluation prompts (a `turns` list per line) whose conversations are dropped "
         "(default: Spec-Bench and MT-Bench from the shared data folder)",
-    )  # fmt: skip
+    )
     parser.set_defaults(run=_run_data)
 
 

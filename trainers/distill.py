@@ -22,8 +22,8 @@ from osprey.pack import load_drafter
 from osprey.zoo import load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
-from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset
 from .devices import load_target, set_device_defaults
+from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset
 from .pretrain import resume_argument
 from .tokenization import tokenize_dataset
 
@@ -63,7 +63,8 @@ class OspreyDistillConfig(TrainingArguments):
         default=None, metadata={"help": "Zoo name, directory or Hub id of the target.", "aliases": ["--target"]}
     )
     output_dir: str | None = field(
-        default=None, metadata={"help": "Where checkpoints and the distilled drafter are saved.", "aliases": ["--output"]}
+        default=None,
+        metadata={"help": "Where checkpoints and the distilled drafter are saved.", "aliases": ["--output"]},
     )
     target_dtype: str = field(default="auto", metadata={"help": "Live target dtype: auto, bfloat16 or float32."})
     feature_cache: str | None = field(default=None, metadata={"help": "Directory written by `osprey features`."})
@@ -281,9 +282,7 @@ class OspreyDistillTrainer(Trainer):
         if target_model is not None:
             model.config.check_target(target_model)
             self.target_model = target_model.to(self.args.device).eval().requires_grad_(False)
-        self.target_head = (
-            None if self.feature_cache is None else self.feature_cache.target_head().to(self.args.device)
-        )
+        self.target_head = None if self.feature_cache is None else self.feature_cache.target_head().to(self.args.device)
         self._metrics = {mode: {"sums": torch.zeros(3, args.ttt_steps), "batches": 0} for mode in ("train", "eval")}
 
     def _set_signature_columns_if_needed(self):

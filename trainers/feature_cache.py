@@ -44,7 +44,6 @@ from .data import DatasetArguments, load_text_dataset
 from .devices import load_target
 from .tokenization import tokenize_dataset
 
-
 CACHE_FORMAT = 1
 INDEX_NAME = "feature_cache.json"
 HEAD_NAME = "target_head.safetensors"
@@ -216,13 +215,17 @@ def _write_cache(target, splits, directory: Path, layer_ids, batch_size, dtype, 
         with TargetFeatureCapture(target, layer_ids) as capture:
             for split, examples in splits.items():
                 done = progress["splits"].setdefault(split, [])
-                writer = _ShardWriter(directory / split, shard_bytes, done, partial(_save_progress, directory, progress))
+                writer = _ShardWriter(
+                    directory / split, shard_bytes, done, partial(_save_progress, directory, progress)
+                )
                 skipped = sum(shard["num_sequences"] for shard in done)
                 examples = itertools.islice(examples, skipped, None)
                 batches = tqdm(
-                    _batches(examples, batch_size), desc=f"Target features ({split})", unit="batch",
+                    _batches(examples, batch_size),
+                    desc=f"Target features ({split})",
+                    unit="batch",
                     postfix={"resumed after": skipped} if skipped else None,
-                )  # fmt: skip
+                )
                 for batch in batches:
                     input_ids, attention_mask = _right_padded([example["input_ids"] for example in batch])
                     final_hidden.clear()
@@ -235,13 +238,15 @@ def _write_cache(target, splits, directory: Path, layer_ids, batch_size, dtype, 
                     features, hidden, argmax = capture.features, final_hidden[-1], logits.argmax(dim=-1)
                     for row, example in enumerate(batch):
                         length = len(example["input_ids"])
-                        writer.add({
-                            "input_ids": input_ids[row, :length].int(),
-                            "loss_mask": torch.as_tensor(example["loss_mask"], dtype=torch.uint8),
-                            "target_hidden_states": features[row, :length].to("cpu", dtype),
-                            "target_last_hidden_state": hidden[row, :length].to("cpu", dtype),
-                            "target_argmax": argmax[row, :length].to("cpu", torch.int32),
-                        })  # fmt: skip
+                        writer.add(
+                            {
+                                "input_ids": input_ids[row, :length].int(),
+                                "loss_mask": torch.as_tensor(example["loss_mask"], dtype=torch.uint8),
+                                "target_hidden_states": features[row, :length].to("cpu", dtype),
+                                "target_last_hidden_state": hidden[row, :length].to("cpu", dtype),
+                                "target_argmax": argmax[row, :length].to("cpu", torch.int32),
+                            }
+                        )
                 writer.flush()
                 index["splits"][split] = {
                     "num_sequences": sum(shard["num_sequences"] for shard in writer.shards),
@@ -268,9 +273,7 @@ class FeatureCacheDataset(torch.utils.data.Dataset):
         self.path = Path(path)
         index_path = self.path / INDEX_NAME
         if not index_path.is_file():
-            raise ValueError(
-                f"{self.path} is not a feature cache (no {INDEX_NAME}): build one with `osprey features`."
-            )
+            raise ValueError(f"{self.path} is not a feature cache (no {INDEX_NAME}): build one with `osprey features`.")
         self.index = json.loads(index_path.read_text())
         if self.index.get("format") != CACHE_FORMAT:
             raise ValueError(f"{self.path} has cache format {self.index.get('format')}, expected {CACHE_FORMAT}.")
@@ -370,9 +373,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             splits[split] = examples if args.max_examples is None else examples.take(args.max_examples)
     path = build_feature_cache(
-        target, splits, args.output_dir, layer_ids, args.batch_size, getattr(torch, args.storage_dtype),
-        args.shard_size_mb << 20, target_name=args.target_model,
-    )  # fmt: skip
+        target,
+        splits,
+        args.output_dir,
+        layer_ids,
+        args.batch_size,
+        getattr(torch, args.storage_dtype),
+        args.shard_size_mb << 20,
+        target_name=args.target_model,
+    )
     print(f"wrote the feature cache to {path}")
     return 0
 

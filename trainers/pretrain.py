@@ -41,7 +41,8 @@ class OspreyPretrainConfig(SFTConfig):
     """
 
     output_dir: str | None = field(
-        default=None, metadata={"help": "Where checkpoints and the trained backbone are saved.", "aliases": ["--output"]}
+        default=None,
+        metadata={"help": "Where checkpoints and the trained backbone are saved.", "aliases": ["--output"]},
     )
     parent_model: str | None = field(default=None, metadata={"help": "Unpruned parent to self-distill from."})
     distill_weight: float = field(default=1.0, metadata={"help": "Weight of the KL(parent || model) term."})
@@ -149,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         if eval_dataset is None:
             raise ValueError(f"--eval-only needs a {script_args.dataset_test_split!r} split to evaluate on.")
         # SFTTrainer requires a train dataset; the held-out split stands in, nothing is trained.
-        trainer = OspreyPretrainer(model, config, train_dataset=eval_dataset, eval_dataset=eval_dataset,
-                                   processing_class=tokenizer)  # fmt: skip
+        trainer = OspreyPretrainer(
+            model, config, train_dataset=eval_dataset, eval_dataset=eval_dataset, processing_class=tokenizer
+        )
         metrics = trainer.evaluate()
         metrics["eval_perplexity"] = math.exp(metrics["eval_loss"])
         trainer.log_metrics("eval", metrics)

@@ -163,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     for split in args.splits:
         if split not in dataset:
             raise ValueError(f"{args.dataset_name} has no split {split!r}: it has {sorted(dataset)}.")
-        written = regenerate_split(target, tokenizer, dataset[split], output / f"{split}.jsonl", args, limits.get(split))
+        written = regenerate_split(
+            target, tokenizer, dataset[split], output / f"{split}.jsonl", args, limits.get(split)
+        )
         print(f"{split}: {written} answers written to {output / f'{split}.jsonl'}")
     return 0
 

@@ -26,9 +26,7 @@ def assistant_character_spans(
         if message["role"] != "assistant":
             continue
         before = (
-            tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
-            if index
-            else ""
+            tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True) if index else ""
         )
         through = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
         if not (text.startswith(through) and through.startswith(before)):

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from conftest import make_tiny_target  # noqa: E402
@@ -26,25 +25,41 @@ from modeling_osprey.generation_osprey import DraftState, crop_cache, draft_chai
 from osprey import OspreyConfig, OspreyForDrafting  # noqa: E402
 from osprey.decode import speculative_generate  # noqa: E402
 
-
 # Target shapes (public configs); the drafter taps are the defaults [1, L//2-1, L-4].
 TARGETS = {
     "qwen2.5-coder-1.5b": dict(
-        model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=False,
+        model_type="qwen2",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=False,
     ),
     "qwen3-8b": dict(
-        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+        model_type="qwen3",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
     ),
-}  # fmt: skip
+}
 
 # The replication's drafters: Osprey (2 SmolLM2 blocks) and the EAGLE-3 control (1 block at the target's width),
 # both with a 32k draft vocabulary.
 SMOLLM2_BLOCKS = dict(
-    hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=2,
+    num_attention_heads=9,
+    num_key_value_heads=3,
     head_dim=64,
-)  # fmt: skip
+)
 
 
 def greedy_exactness(device) -> dict:
@@ -90,18 +105,24 @@ def median_ms(function, device, repeats: int) -> float:
 def drafter_for(target_config, kind: str) -> OspreyForDrafting:
     layers = target_config.num_hidden_layers
     common = dict(
-        vocab_size=target_config.vocab_size, draft_vocab_size=32000, target_hidden_size=target_config.hidden_size,
+        vocab_size=target_config.vocab_size,
+        draft_vocab_size=32000,
+        target_hidden_size=target_config.hidden_size,
         target_layer_ids=[1, layers // 2 - 1, layers - 4],
-    )  # fmt: skip
+    )
     if kind == "osprey":
         config = OspreyConfig(**SMOLLM2_BLOCKS, **common)
     else:
         config = OspreyConfig(
-            hidden_size=target_config.hidden_size, intermediate_size=target_config.intermediate_size,
-            num_hidden_layers=1, num_attention_heads=target_config.num_attention_heads,
+            hidden_size=target_config.hidden_size,
+            intermediate_size=target_config.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=target_config.num_attention_heads,
             num_key_value_heads=target_config.num_key_value_heads,
-            head_dim=getattr(target_config, "head_dim", None), residual_stream="features", **common,
-        )  # fmt: skip
+            head_dim=getattr(target_config, "head_dim", None),
+            residual_stream="features",
+            **common,
+        )
     drafter = OspreyForDrafting(config)
     drafter.draft_to_target.copy_(torch.arange(32000))
     return drafter

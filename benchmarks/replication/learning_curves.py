@@ -45,10 +45,15 @@ def learning_curves(run_dir: Path) -> dict:
             "ttt_acc_first": [row["ttt_acc_0"] for row in logs],
             "ttt_acc_last": [row[f"ttt_acc_{last}"] for row in logs],
             "last_ttt_step": last,
-            "held_out": {"step": evaluations[-1]["step"]} | {
-                key.removeprefix("eval_"): value for key, value in evaluations[-1].items() if key.startswith("eval_ttt_")
-            } if evaluations else None,
-        }  # fmt: skip
+            "held_out": {"step": evaluations[-1]["step"]}
+            | {
+                key.removeprefix("eval_"): value
+                for key, value in evaluations[-1].items()
+                if key.startswith("eval_ttt_")
+            }
+            if evaluations
+            else None,
+        }
     if not curves:
         raise SystemExit(f"no trainer_state.json under {run_dir}/{{{','.join(DRAFTERS)}}}: pass a replication run dir")
     return curves
@@ -58,8 +63,13 @@ def plot(curves: dict, title: str, path: Path) -> None:
     figure, axes = plt.subplots(figsize=(7, 4))
     for drafter, curve in curves.items():
         (line,) = axes.plot(curve["step"], curve["ttt_acc_first"], label=f"{drafter}, TTT step 0")
-        axes.plot(curve["step"], curve["ttt_acc_last"], "--", color=line.get_color(),
-                  label=f"{drafter}, TTT step {curve['last_ttt_step']}")  # fmt: skip
+        axes.plot(
+            curve["step"],
+            curve["ttt_acc_last"],
+            "--",
+            color=line.get_color(),
+            label=f"{drafter}, TTT step {curve['last_ttt_step']}",
+        )
     axes.set(xlabel="distillation step", ylabel="training TTT accuracy", title=title)
     axes.legend(fontsize="small")
     figure.tight_layout()
@@ -78,9 +88,11 @@ def main() -> None:
     plot(curves, args.run_dir.name, Path(f"{args.output}.png"))
     for drafter, curve in curves.items():
         held_out = curve["held_out"]
-        print(f"{drafter}: step {curve['step'][-1]}, training TTT accuracy {curve['ttt_acc_first'][-1]:.3f} at step 0, "
-              f"{curve['ttt_acc_last'][-1]:.3f} at step {curve['last_ttt_step']}; held out"
-              + (f" at step {held_out['step']}: {held_out['ttt_acc_0']:.3f}" if held_out else ": not evaluated"))
+        print(
+            f"{drafter}: step {curve['step'][-1]}, training TTT accuracy {curve['ttt_acc_first'][-1]:.3f} at step 0, "
+            f"{curve['ttt_acc_last'][-1]:.3f} at step {curve['last_ttt_step']}; held out"
+            + (f" at step {held_out['step']}: {held_out['ttt_acc_0']:.3f}" if held_out else ": not evaluated")
+        )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,10 @@ def with_drafters_from(results: dict, other: dict) -> dict:
     ]
     shared = target_outputs[0].keys() & target_outputs[1].keys()
     if not shared or any(target_outputs[0][key] != target_outputs[1][key] for key in shared):
-        raise ValueError("The two benches' target-alone outputs differ (or were not both run): they did not decode "
-                         "alike, so their τ do not compare. Rerun both with the same --dtype and target.")  # fmt: skip
+        raise ValueError(
+            "The two benches' target-alone outputs differ (or were not both run): they did not decode "
+            "alike, so their τ do not compare. Rerun both with the same --dtype and target."
+        )
     drafters = {name: spec for name, spec in other["methods"].items() if spec.startswith("drafter:")}
     if drafters.keys() & results["methods"].keys():
         raise ValueError(f"Both benches have a method named {sorted(drafters.keys() & results['methods'].keys())}.")
@@ -101,9 +103,10 @@ def costs(requests: list[dict]) -> dict:
     target_hashes = {_prompt_key(row): row["output_sha256"] for row in requests if row["method"] == "target"}
     totals: dict[str, dict] = {}
     for row in requests:
-        total = totals.setdefault(row["method"], dict.fromkeys(
-            ("tokens", "seconds", "drafted", "steps", "draft_s", "verify_s", "same", "requests"), 0
-        ))  # fmt: skip
+        total = totals.setdefault(
+            row["method"],
+            dict.fromkeys(("tokens", "seconds", "drafted", "steps", "draft_s", "verify_s", "same", "requests"), 0),
+        )
         total["tokens"] += row["new_tokens"]
         total["seconds"] += row["wall_time_s"]
         total["drafted"] += sum(row["drafted_per_step"])
@@ -149,23 +152,32 @@ def main() -> None:
         print(f"Left out {left_out} requests of prompts that not every method finished.\n")
     table = ratios(requests, args.drafter, tuple(args.controls))
     methods = [args.drafter, *args.controls]
-    print("| group | prompts | " + " | ".join(f"τ {m}" for m in methods) + " | "
-          + " | ".join(f"{args.drafter} / {c}" for c in args.controls) + " |")  # fmt: skip
+    print(
+        "| group | prompts | "
+        + " | ".join(f"τ {m}" for m in methods)
+        + " | "
+        + " | ".join(f"{args.drafter} / {c}" for c in args.controls)
+        + " |"
+    )
     print("|---|---:|" + "---:|" * (len(methods) + len(args.controls)))
     for group, entry in table.items():
         cells = [f"{entry['tau'].get(m, float('nan')):.2f}" for m in methods]
         cells += [f"{entry.get(f'{args.drafter}/{c}', float('nan')):.2f}x" for c in args.controls]
         print(f"| {group} | {entry['num_prompts']} | " + " | ".join(cells) + " |")
     print()
-    print("| method | speedup (summed tokens and time) | drafts per step | ms per draft token | ms per verify step "
-          "| output = target |")  # fmt: skip
+    print(
+        "| method | speedup (summed tokens and time) | drafts per step | ms per draft token | ms per verify step "
+        "| output = target |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for method, entry in costs([row for row in requests if row["method"] in own_methods]).items():
         cells = [
-            _cell(entry["speedup"], "{:.2f}x"), f"{entry['mean_drafts_per_step']:.2f}",
-            _cell(entry["draft_ms_per_token"], "{:.1f}"), _cell(entry["verify_ms_per_step"], "{:.1f}"),
+            _cell(entry["speedup"], "{:.2f}x"),
+            f"{entry['mean_drafts_per_step']:.2f}",
+            _cell(entry["draft_ms_per_token"], "{:.1f}"),
+            _cell(entry["verify_ms_per_step"], "{:.1f}"),
             _cell(entry["same_output_as_target"], "{}"),
-        ]  # fmt: skip
+        ]
         print(f"| {method} | " + " | ".join(cells) + " |")
 
 
