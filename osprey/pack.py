@@ -151,18 +151,40 @@ def _copy_companions(source_dir, output_dir: Path) -> None:
 
 def add_subcommand(subparsers) -> None:
     """Adds `osprey pack` and `osprey unpack` to the CLI (see `osprey.cli`)."""
-    parser = subparsers.add_parser("pack", help="write a drafter as a packed (int8-row) drafter, a quarter of the size")
-    parser.add_argument("--drafter", required=True, help="drafter directory or Hub id")
+    parser = subparsers.add_parser(
+        "pack", help="write a drafter as a packed (int8-row) drafter, or any checkpoint against its zoo model"
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--drafter", help="drafter directory or Hub id")
+    source.add_argument(
+        "--checkpoint", help="any checkpoint folder (a backbone, a trainer checkpoint): see osprey.compact"
+    )
     parser.add_argument("--output", required=True, help="new (or empty) directory for the packed drafter")
     parser.add_argument("--target", help="record the target (zoo name or Hub id) if the drafter does not name it")
+    parser.add_argument(
+        "--reference",
+        help="--checkpoint: zoo name or directory of the model it was made from (tensors it copied or "
+        "changed are stored as references or int8 deltas)",
+    )
+    parser.add_argument("--dtype", choices=("int8", "bfloat16"), default="int8", help="--checkpoint: other matrices")
     parser.set_defaults(run=_run_pack)
-    parser = subparsers.add_parser("unpack", help="write a packed drafter as an ordinary transformers checkpoint")
-    parser.add_argument("--drafter", required=True, help="packed drafter directory, e.g. osprey/demo_drafter")
+    parser = subparsers.add_parser("unpack", help="write a packed drafter or checkpoint as an ordinary checkpoint")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--drafter", help="packed drafter directory, e.g. osprey/demo_drafter")
+    source.add_argument("--checkpoint", help="directory written by `osprey pack --checkpoint`")
     parser.add_argument("--output", required=True, help="new (or empty) directory for the checkpoint")
     parser.set_defaults(run=_run_unpack)
 
 
 def _run_pack(args) -> int:
+    if args.checkpoint:
+        from .compact import pack, pack_size_mib
+
+        output = pack(args.checkpoint, args.output, args.reference, args.dtype)
+        print(f"packed {args.checkpoint} to {output} ({pack_size_mib(output):.1f} MiB)")
+        return 0
+    if args.reference:
+        raise ValueError("--reference applies to --checkpoint: a packed drafter stores every weight itself.")
     output = pack_drafter(args.drafter, args.output, args.target)
     size = sum(path.stat().st_size for path in output.iterdir())
     print(f"packed {args.drafter} to {output} ({size / 2**20:.1f} MiB)")
@@ -170,6 +192,12 @@ def _run_pack(args) -> int:
 
 
 def _run_unpack(args) -> int:
+    if args.checkpoint:
+        from .compact import pack_size_mib, unpack
+
+        output = unpack(args.checkpoint, args.output)
+        print(f"unpacked {args.checkpoint} to {output} ({pack_size_mib(output):.1f} MiB)")
+        return 0
     output = unpack_drafter(args.drafter, args.output)
     print(f"unpacked {args.drafter} to {output}: AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)")
     return 0

@@ -531,3 +531,53 @@ def test_cli_pretrain_and_distill_from_yaml_with_overrides(tmp_path):
     assert OspreyForDrafting.from_pretrained(tmp_path / "distilled").config.target_layer_ids == TAPS
     assert json.loads((tmp_path / "distilled" / "trainer_state.json").read_text())["global_step"] == 2
     assert json.loads((tmp_path / "distilled" / "alignment_report.json").read_text()) == {"target": "tiny"}
+
+
+def test_frozen_embedding_and_lm_head_stay_copies_of_the_backbone(tmp_path):
+    model = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2).train()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    config = pretrain_config(tmp_path, max_steps=3, freeze_embeddings=True, freeze_lm_head=True)
+    OspreyPretrainer(model, config, train_dataset=text_dataset(), processing_class=char_tokenizer()).train()
+    after = model.state_dict()
+    assert torch.equal(after["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+    assert torch.equal(after["lm_head.weight"], before["lm_head.weight"])
+    assert not torch.equal(after["model.layers.0.mlp.up_proj.weight"], before["model.layers.0.mlp.up_proj.weight"])
+    tied = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="ties its LM head"):
+        OspreyPretrainer(tied, pretrain_config(tmp_path, freeze_lm_head=True), train_dataset=text_dataset(),
+                         processing_class=char_tokenizer())  # fmt: skip
+
+
+def test_pretraining_resumes_its_schedule_from_a_packed_checkpoint(tmp_path):
+    """What a fresh machine does with a committed stage-2 pack: unpack it as a checkpoint and resume from it."""
+    from osprey.compact import pack, unpack
+
+    init = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2)
+    init.save_pretrained(tmp_path / "init")
+
+    def make_trainer(output_dir, max_steps, save_steps=None):
+        config = pretrain_config(
+            tmp_path, output_dir=str(output_dir), max_steps=max_steps, lr_scheduler_type="cosine", warmup_steps=2,
+            save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, logging_steps=1,
+            freeze_embeddings=True, freeze_lm_head=True,
+        )  # fmt: skip
+        model = type(init).from_pretrained(tmp_path / "init").train()
+        return OspreyPretrainer(model, config, train_dataset=text_dataset(), processing_class=char_tokenizer())
+
+    class Interrupt(__import__("transformers").TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= 3
+
+    uninterrupted = make_trainer(tmp_path / "a", 6)
+    uninterrupted.train()
+    interrupted = make_trainer(tmp_path / "b", 6, save_steps=3)
+    interrupted.add_callback(Interrupt())
+    interrupted.train()
+    packed = pack(tmp_path / "b" / "checkpoint-3", tmp_path / "packed", reference=str(tmp_path / "init"))
+    unpack(packed, tmp_path / "fresh" / "checkpoint-3")
+    resumed = make_trainer(tmp_path / "fresh", 6)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "fresh" / "checkpoint-3"))
+    assert resumed.state.global_step == 6
+    assert logged(resumed, "learning_rate") == logged(uninterrupted, "learning_rate")  # the schedule went on
+    final = resumed.model.state_dict()
+    assert torch.equal(final["lm_head.weight"], init.state_dict()["lm_head.weight"])

@@ -25,8 +25,8 @@ def add_subcommand(subparsers) -> None:
         parser.add_argument("argv", nargs=argparse.REMAINDER)
         parser.set_defaults(run=lambda args, module=module: importlib.import_module(module).main(args.argv))
 
-    parser = subparsers.add_parser("data", help="build the offline training corpora (general, sharegpt)")
-    parser.add_argument("corpus", choices=("general", "sharegpt"), help="which corpus to build")
+    parser = subparsers.add_parser("data", help="build the offline training corpora (general, multilingual, sharegpt)")
+    parser.add_argument("corpus", choices=("general", "multilingual", "sharegpt"), help="which corpus to build")
     parser.add_argument("--cache-dir", help="cache root (default: $OSPREY_HOME or ~/.cache/osprey)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the corpus is already built")
     parser.add_argument(
@@ -37,14 +37,32 @@ def add_subcommand(subparsers) -> None:
         help="sharegpt: JSONL files of evaluation prompts (a `turns` list per line) whose conversations are dropped "
         "(default: Spec-Bench and MT-Bench from the shared data folder)",
     )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="MODEL",
+        help="multilingual: also count tokens per language group and split with this model's tokenizer (zoo name or "
+        "directory), recorded in the manifest",
+    )
+    parser.add_argument(
+        "--lock",
+        type=Path,
+        metavar="MANIFEST",
+        help="multilingual: an earlier build's manifest.json; packages whose version or SHA-256 differ are reported",
+    )
     parser.set_defaults(run=_run_data)
 
 
 def _run_data(args) -> int:
     from .data import prepare_general, prepare_sharegpt
 
+    if args.corpus != "multilingual" and (args.tokenizer or args.lock):
+        raise ValueError("--tokenizer and --lock apply to the multilingual corpus only.")
     if args.corpus == "general":
         print(prepare_general(args.cache_dir, force=args.force))
+    elif args.corpus == "multilingual":
+        from .multilingual import prepare_multilingual
+
+        print(prepare_multilingual(args.cache_dir, force=args.force, tokenizer=args.tokenizer, lock=args.lock))
     else:
         print(prepare_sharegpt(args.cache_dir, force=args.force, exclude_prompt_files=args.exclude_prompts))
     return 0

@@ -38,6 +38,12 @@ class OspreyPretrainConfig(SFTConfig):
             Weight of the self-distillation term.
         temperature (`float`, *optional*, defaults to 1.0):
             Softmax temperature of both distributions in the KL term.
+        freeze_embeddings (`bool`, *optional*, defaults to `False`):
+            Keep the input embedding fixed (as `osprey distill --freeze_embeddings`).
+        freeze_lm_head (`bool`, *optional*, defaults to `False`):
+            Keep the LM head fixed. With both frozen, a backbone pruned from a zoo model changes only in its blocks:
+            `osprey pack --reference` then stores the 2 x 136 M vocabulary parameters of a Qwen2.5 backbone as
+            references to the zoo model, and the backward pass skips the LM head's weight gradient.
     """
 
     output_dir: str | None = field(
@@ -47,6 +53,8 @@ class OspreyPretrainConfig(SFTConfig):
     parent_model: str | None = field(default=None, metadata={"help": "Unpruned parent to self-distill from."})
     distill_weight: float = field(default=1.0, metadata={"help": "Weight of the KL(parent || model) term."})
     temperature: float = field(default=1.0, metadata={"help": "Softmax temperature of the KL term."})
+    freeze_embeddings: bool = field(default=False, metadata={"help": "Keep the input embedding fixed."})
+    freeze_lm_head: bool = field(default=False, metadata={"help": "Keep the LM head fixed."})
     learning_rate: float = field(default=3e-4, metadata={"help": "The initial learning rate for AdamW."})
     # TRL turns activation checkpointing on by default (through the deprecated alias); pruned backbones need none.
     gradient_checkpointing: bool | None = field(default=None, metadata={"help": "Deprecated alias (transformers 5)."})
@@ -77,6 +85,13 @@ class OspreyPretrainer(SFTTrainer):
 
     def __init__(self, model, args: OspreyPretrainConfig | None = None, *, parent_model=None, **kwargs):
         args = args if args is not None else OspreyPretrainConfig(output_dir="osprey-pretrain")
+        if isinstance(model, PreTrainedModel):
+            if args.freeze_embeddings:
+                model.get_input_embeddings().requires_grad_(False)
+            if args.freeze_lm_head:
+                if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+                    raise ValueError("This model ties its LM head to its embedding: freeze both or neither.")
+                model.get_output_embeddings().requires_grad_(False)
         super().__init__(model, args=args, **kwargs)
         parent_model = parent_model if parent_model is not None else self.args.parent_model
         if isinstance(parent_model, str):

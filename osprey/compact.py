@@ -1,0 +1,314 @@
+"""Compact checkpoints that reference a zoo model: stage products small enough to commit (tens of MB, not GB).
+
+`osprey pack --checkpoint DIR --reference ZOO_NAME --output PACKED` / `osprey unpack --checkpoint PACKED --output DIR`
+(the CLI lives with the packed drafter format in `osprey.pack`). Unlike a packed drafter, any transformers checkpoint
+can be packed this way: a pruned backbone, a trainer's checkpoint folder, a drafter.
+
+A pruned backbone, a stage-2 checkpoint or a drafter made from a zoo model holds large tensors that are copies of
+that model's: the embedding and LM head of a Qwen2.5 backbone alone are 2 x 136 M parameters. `pack` stores each
+tensor of a checkpoint in the cheapest exact-enough form:
+
+- `ref`: most rows equal rows of a reference matrix, value for value (a frozen copy, the rows of a draft vocabulary,
+  a converted drafter's embedding; the sign of a zero is not kept): the reference's name, the row indices and the
+  few rows that are no copy are stored, plus the SHA-256 of the whole tensor; `unpack` rebuilds it from the zoo
+  model and refuses a mismatch.
+- `delta`: a tensor of the same name and shape exists in the reference (a fine-tuned block; a pruned backbone's block
+  `j` is matched to the parent block it was copied from, from `config.osprey_pruning`): the difference is stored as
+  int8 rows (absmax scale per row), so the error is 1/254 of each row's *change*, not of its weights.
+- otherwise int8 rows (`--dtype int8`, matrices only: norms and vectors stay as they are) or bfloat16.
+
+Other files identical to the reference's, or to its tokenizer as `save_pretrained` writes it (the 11 MB Qwen
+tokenizer in a trainer's checkpoint), are rebuilt from it too, checked by SHA-256; the rest (config, trainer state)
+is copied; a trainer's `optimizer.pt` keeps its parameter groups but not its moments, so `Trainer` can still resume
+the learning-rate schedule from a packed checkpoint (Adam's moments restart from zero). `unpack` writes an ordinary
+checkpoint directory back.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from .ground import require_empty_output_dir
+
+PACK_MANIFEST = "osprey_pack.json"
+PACK_WEIGHTS = "packed.safetensors"
+PACK_FORMAT = 1
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+SKIPPED_FILES = ("optimizer.pt",)  # rewritten without its moments, see `_strip_optimizer`
+MAX_COPIED_FILE_BYTES = 32 * 2**20
+PACK_DTYPES = ("int8", "bfloat16")
+# A matrix is stored by reference when at least this share of its rows are copies of one reference matrix's rows.
+MIN_REFERENCED_ROWS = 0.5
+
+
+def _canonical(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with -0.0 as +0.0: equal values compare equal (a conversion that copies rows arithmetically can flip
+    the sign of a zero, which changes no result of a matrix product)."""
+    return (tensor + 0.0 if tensor.is_floating_point() else tensor).contiguous()
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """SHA-256 of a tensor's values (zeros taken as +0.0)."""
+    return hashlib.sha256(_canonical(tensor).reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("model*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} holds no model*.safetensors: pass a checkpoint directory saved by transformers.")
+    state_dict = {}
+    for path in files:
+        state_dict.update(load_file(path))
+    return state_dict
+
+
+def _int8_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = tensor.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+    return torch.round(tensor.float() / scale).to(torch.int8), scale.squeeze(1)
+
+
+def _reference_name_map(config: dict) -> dict[str, str]:
+    """Layer prefixes of a pruned model -> the parent's (`model.layers.0.` -> `model.layers.5.`)."""
+    kept = (config.get("osprey_pruning") or {}).get("kept_layers") or []
+    return {f".layers.{new}.": f".layers.{old}." for new, old in enumerate(kept)}
+
+
+def _parent_name(name: str, layer_map: dict[str, str]) -> str:
+    for new, old in layer_map.items():
+        if new in name:
+            return name.replace(new, old, 1)
+    return name
+
+
+def _row_digests(tensor: torch.Tensor) -> list[bytes]:
+    rows = _canonical(tensor).view(torch.uint8).numpy()
+    return [hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in rows]
+
+
+class _Reference:
+    """Lazy access to a reference checkpoint's tensors, and an index of all its matrix rows by content."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.files = {}
+        for path in sorted(directory.glob("model*.safetensors")):
+            with safe_open(path, "pt") as file:
+                for name in file.keys():  # noqa: SIM118 (safe_open is no dict)
+                    self.files[name] = path
+        if not self.files:
+            raise ValueError(f"The reference {directory} holds no model*.safetensors weights.")
+        self._shapes = {}
+        self._rows: dict[torch.dtype, dict[bytes, tuple[str, int]]] = {}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._shapes:
+            with safe_open(self.files[name], "pt") as file:
+                self._shapes[name] = tuple(file.get_slice(name).get_shape())
+        return self._shapes[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(self.files[name], "pt") as file:
+            return file.get_tensor(name)
+
+    def match_rows(self, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """The reference matrix whose rows equal most of `tensor`'s rows bit for bit (in its dtype), and for each row
+        the index of its copy there or -1; None when fewer than `MIN_REFERENCED_ROWS` of the rows are copies."""
+        if tensor.dim() != 2 or not tensor.is_floating_point():
+            return None
+        if tensor.dtype not in self._rows:  # every row of every matrix, first occurrence in name order
+            index = {}
+            for name in sorted(self.files):
+                if len(self.shape(name)) == 2:
+                    for i, digest in enumerate(_row_digests(self.get(name).to(tensor.dtype))):
+                        index.setdefault(digest, (name, i))
+            self._rows[tensor.dtype] = index
+        found = [self._rows[tensor.dtype].get(digest) for digest in _row_digests(tensor)]
+        names = Counter(hit[0] for hit in found if hit is not None)
+        if not names:
+            return None
+        name, hits = names.most_common(1)[0]
+        if hits < MIN_REFERENCED_ROWS * len(found) or self.shape(name)[1] != tensor.shape[1]:
+            return None
+        rows = torch.tensor([hit[1] if hit is not None and hit[0] == name else -1 for hit in found])
+        copied = rows >= 0
+        if not torch.equal(self.get(name).to(tensor.dtype)[rows[copied]], tensor[copied]):
+            return None
+        return name, rows
+
+
+def pack(
+    model_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    reference: str | None = None,
+    dtype: str = "int8",
+) -> Path:
+    """Writes `model_dir`'s checkpoint to `output_dir` in the compact form described in the module docstring.
+
+    `reference` is a zoo name (or a local checkpoint directory) whose tensors are stored by reference or as deltas;
+    without one every tensor is stored in `dtype` (`int8` rows or `bfloat16`).
+    """
+    from .zoo import resolve_model_path
+
+    if dtype not in PACK_DTYPES:
+        raise ValueError(f"Unknown pack dtype {dtype!r}: choose one of {', '.join(PACK_DTYPES)}.")
+    model_dir, output_dir = Path(model_dir), require_empty_output_dir(output_dir)
+    state_dict = _read_state_dict(model_dir)
+    config = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() else {}
+    ref = _Reference(Path(resolve_model_path(reference))) if reference is not None else None
+    layer_map = _reference_name_map(config)
+    stored, entries = {}, {}
+    for name, tensor in state_dict.items():
+        entry = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+        parent = _parent_name(name, layer_map)
+        match = ref.match_rows(tensor) if ref is not None else None
+        if match is not None:
+            ref_name, rows = match
+            entry.update(kind="ref", ref=ref_name, sha256=tensor_sha256(tensor))
+            if not torch.equal(rows, torch.arange(ref.shape(ref_name)[0])):
+                stored[name + ".rows"] = rows
+            if (rows < 0).any():  # rows that are no copy (e.g. a converted drafter's special tokens) are stored
+                stored[name + ".patch"] = tensor[rows < 0].contiguous()
+        elif (ref is not None and tensor.is_floating_point() and tensor.dim() == 2 and parent in ref.files
+              and ref.shape(parent) == tuple(tensor.shape)):  # fmt: skip
+            stored[name], stored[name + ".scale"] = _int8_rows(tensor.float() - ref.get(parent).float())
+            entry.update(kind="delta", ref=parent, ref_sha256=tensor_sha256(ref.get(parent)))
+        elif tensor.is_floating_point() and tensor.dim() == 2 and dtype == "int8":
+            stored[name], stored[name + ".scale"] = _int8_rows(tensor)
+            entry["kind"] = "int8"
+        elif tensor.is_floating_point() and dtype == "bfloat16" and tensor.dim() == 2:
+            stored[name], entry["kind"] = tensor.to(torch.bfloat16), "bfloat16"
+        else:
+            stored[name], entry["kind"] = tensor.contiguous(), "raw"
+        entries[name] = entry
+    output_dir.mkdir(parents=True, exist_ok=True)
+    save_file(stored, output_dir / PACK_WEIGHTS, metadata={"format": f"osprey-pack-{PACK_FORMAT}"})
+    files = {}
+    with tempfile.TemporaryDirectory() as resaved:
+        resaved = Path(resaved)
+        if ref is not None:
+            _save_reference_tokenizer(ref.directory, resaved)
+        for path in sorted(model_dir.iterdir()):
+            if not path.is_file() or path.name in WEIGHT_FILES or path.name.startswith("model-"):
+                continue
+            digest = _file_sha256(path)
+            if path.name == "optimizer.pt":
+                _strip_optimizer(path, output_dir / path.name)
+            elif ref is not None and _file_sha256(ref.directory / path.name) == digest:
+                files[path.name] = {"sha256": digest, "from": "file"}  # taken from the reference at unpack
+            elif ref is not None and _file_sha256(resaved / path.name) == digest:
+                files[path.name] = {"sha256": digest, "from": "tokenizer"}  # the reference's tokenizer, as saved
+            else:
+                _copy_small(path, output_dir)
+    manifest = {"format": PACK_FORMAT, "reference": reference, "dtype": dtype, "tensors": entries, "files": files}
+    (output_dir / PACK_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return output_dir
+
+
+def _copy_small(path: Path, output_dir: Path) -> None:
+    if path.stat().st_size > MAX_COPIED_FILE_BYTES:
+        raise ValueError(f"{path} is {path.stat().st_size / 2**20:.0f} MiB: too large to pack; remove it.")
+    shutil.copy2(path, output_dir / path.name)
+
+
+def _save_reference_tokenizer(directory: Path, output_dir: Path) -> None:
+    """The reference's tokenizer as `save_pretrained` writes it: what a trainer's checkpoint holds (a re-save can
+    differ from the original files, e.g. Qwen2's tokenizer.json gains its NFC normalizer)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError, KeyError, TypeError):  # a reference without a (loadable) tokenizer
+        return
+    tokenizer.save_pretrained(output_dir)
+
+
+def _file_sha256(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _strip_optimizer(source: Path, destination: Path) -> None:
+    """An optimizer state dict without per-parameter state: `Trainer` then resumes the schedule, moments restart."""
+    state = torch.load(source, map_location="cpu", weights_only=True)
+    torch.save({"state": {}, "param_groups": state["param_groups"]}, destination)
+
+
+def unpack(packed_dir: str | os.PathLike, output_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+    """Writes the ordinary checkpoint stored by `pack` in `packed_dir` to `output_dir` (each tensor in its original
+    dtype unless `dtype` is given); tensors stored by reference are rebuilt from the reference and checked."""
+    from .zoo import resolve_model_path
+
+    packed_dir, output_dir = Path(packed_dir), require_empty_output_dir(output_dir)
+    if not (packed_dir / PACK_MANIFEST).is_file():
+        raise ValueError(
+            f"{packed_dir} holds no {PACK_MANIFEST}: pass a directory written by `osprey pack --checkpoint`."
+        )
+    manifest = json.loads((packed_dir / PACK_MANIFEST).read_text())
+    if manifest["format"] != PACK_FORMAT:
+        raise ValueError(f"{packed_dir} is pack format {manifest['format']}; this osprey reads format {PACK_FORMAT}.")
+    stored = load_file(packed_dir / PACK_WEIGHTS)
+    kinds = {entry["kind"] for entry in manifest["tensors"].values()}
+    needs_reference = bool(manifest.get("files")) or not kinds.isdisjoint(("ref", "delta"))
+    ref = _Reference(Path(resolve_model_path(manifest["reference"]))) if needs_reference else None
+    state_dict = {}
+    for name, entry in manifest["tensors"].items():
+        original = getattr(torch, entry["dtype"])
+        kind = entry["kind"]
+        if kind == "ref":
+            tensor = ref.get(entry["ref"]).to(original)
+            if name + ".rows" in stored:
+                rows = stored[name + ".rows"]
+                tensor = tensor[rows.clamp(min=0)]
+                if name + ".patch" in stored:
+                    tensor[rows < 0] = stored[name + ".patch"]
+            _check(tensor_sha256(tensor), entry["sha256"], name, manifest["reference"], entry["ref"])
+        elif kind == "delta":
+            base = ref.get(entry["ref"])
+            _check(tensor_sha256(base), entry["ref_sha256"], name, manifest["reference"], entry["ref"])
+            tensor = (base.float() + stored[name].float() * stored[name + ".scale"][:, None]).to(original)
+        elif kind == "int8":
+            tensor = (stored[name].float() * stored[name + ".scale"][:, None]).to(original)
+        else:
+            tensor = stored[name].to(original)
+        state_dict[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+    output_dir.mkdir(parents=True, exist_ok=True)
+    save_file(state_dict, output_dir / "model.safetensors", metadata={"format": "pt"})
+    for path in sorted(packed_dir.iterdir()):
+        if path.is_file() and path.name not in (PACK_MANIFEST, PACK_WEIGHTS):
+            shutil.copy2(path, output_dir / path.name)
+    with tempfile.TemporaryDirectory() as resaved:
+        resaved = Path(resaved)
+        files = manifest.get("files", {})
+        if any(file["from"] == "tokenizer" for file in files.values()):
+            _save_reference_tokenizer(ref.directory, resaved)
+        for name, file in files.items():
+            source = (ref.directory if file["from"] == "file" else resaved) / name
+            _check(_file_sha256(source), file["sha256"], name, manifest["reference"], name)
+            shutil.copy2(source, output_dir / name)
+    return output_dir
+
+
+def _check(actual: str | None, expected: str, name: str, reference: str, ref_name: str) -> None:
+    if actual != expected:
+        raise ValueError(
+            f"{name!r} rebuilt from {reference!r} ({ref_name}) does not match the SHA-256 recorded when it was "
+            f"packed: this {reference!r} is not the model the checkpoint was made from. Rebuild the zoo model with "
+            f"`osprey fetch {reference} --force`, or pass the original checkpoint directory as the reference."
+        )
+
+
+def pack_size_mib(directory: str | os.PathLike) -> float:
+    return sum(path.stat().st_size for path in Path(directory).iterdir() if path.is_file()) / 2**20

@@ -1,0 +1,167 @@
+"""Compact checkpoints (`osprey pack` / `osprey unpack`): what references the zoo model is rebuilt exactly and checked,
+the rest comes back within the stated int8 error."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_vocab_alignment import byte_level_tokenizer
+
+from osprey.compact import PACK_MANIFEST, pack, pack_size_mib, unpack
+from osprey.prune import _rebuild
+
+
+@pytest.fixture
+def parent_dir(tiny_target_factory, tmp_path):
+    parent = tiny_target_factory("qwen2", vocab_size=512)
+    parent.save_pretrained(tmp_path / "parent")
+    return tmp_path / "parent"
+
+
+def pruned_and_trained(parent_dir, tmp_path):
+    """A backbone of the parent's blocks 0, 3 and 5, whose second block's query projection was then 'trained'."""
+    from transformers import AutoModelForCausalLM
+
+    parent = AutoModelForCausalLM.from_pretrained(parent_dir)
+    model = _rebuild(parent, [0, 3, 5], {"strategy": "block-influence", "kept_layers": [0, 3, 5]})
+    weight = model.model.layers[1].self_attn.q_proj.weight
+    with torch.no_grad():
+        weight.add_(0.01 * torch.randn_like(weight))
+    model.save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+def int8_row_bound(tensor: torch.Tensor) -> torch.Tensor:
+    """Half a quantisation step per row: the most round-to-nearest int8 with absmax scaling can be off by."""
+    return tensor.abs().amax(dim=1, keepdim=True) / 127 / 2 + 1e-7
+
+
+def test_pack_references_frozen_copies_and_stores_changes_as_int8_deltas(parent_dir, tmp_path):
+    model_dir = pruned_and_trained(parent_dir, tmp_path)
+    (model_dir / "trainer_state.json").write_text('{"global_step": 7}')
+    (parent_dir / "vocab.txt").write_text("a vocabulary file")
+    shutil.copy(parent_dir / "vocab.txt", model_dir / "vocab.txt")
+    byte_level_tokenizer().save_pretrained(parent_dir)
+    byte_level_tokenizer().save_pretrained(model_dir)  # what a trainer's checkpoint holds
+    tokenizer_files = sorted(path.name for path in model_dir.glob("tokenizer*"))
+    packed = pack(model_dir, tmp_path / "packed", reference=str(parent_dir))
+    files = json.loads((packed / PACK_MANIFEST).read_text())["files"]
+    assert {*tokenizer_files, "vocab.txt"} <= set(files) and not (packed / "vocab.txt").exists()
+    assert "config.json" not in files and (packed / "config.json").is_file()  # the pruned config is the model's own
+    entries = json.loads((packed / PACK_MANIFEST).read_text())["tensors"]
+    kinds = {name: entry["kind"] for name, entry in entries.items()}
+    assert kinds["model.embed_tokens.weight"] == kinds["lm_head.weight"] == "ref"
+    assert entries["model.layers.2.mlp.up_proj.weight"] == {  # an untouched block: a copy of the parent's block 5
+        "dtype": "float32", "shape": [128, 64], "kind": "ref", "ref": "model.layers.5.mlp.up_proj.weight",
+        "sha256": entries["model.layers.2.mlp.up_proj.weight"]["sha256"],
+    }  # fmt: skip
+    assert kinds["model.layers.1.self_attn.q_proj.weight"] == "delta"
+    assert entries["model.layers.1.self_attn.q_proj.weight"]["ref"] == "model.layers.3.self_attn.q_proj.weight"
+    assert kinds["model.norm.weight"] == "raw"  # vectors are stored as they are
+    original = load_file(model_dir / "model.safetensors")
+    packed_bytes = (packed / "packed.safetensors").stat().st_size
+    assert packed_bytes < 0.05 * (model_dir / "model.safetensors").stat().st_size
+
+    restored = load_file(unpack(packed, tmp_path / "restored") / "model.safetensors")
+    assert restored.keys() == original.keys()
+    parent = load_file(parent_dir / "model.safetensors")
+    for name, tensor in original.items():
+        if kinds[name] == "delta":
+            change = tensor - parent[entries[name]["ref"]]
+            assert ((restored[name] - tensor).abs() <= int8_row_bound(change)).all(), name
+            assert not torch.equal(restored[name], parent[entries[name]["ref"]])
+        else:
+            assert torch.equal(restored[name], tensor), name
+    assert json.loads((tmp_path / "restored" / "trainer_state.json").read_text()) == {"global_step": 7}
+    for name in tokenizer_files + ["vocab.txt"]:
+        assert (tmp_path / "restored" / name).read_bytes() == (model_dir / name).read_bytes(), name
+    assert (tmp_path / "restored" / "config.json").is_file()
+
+
+def test_rows_of_a_reference_matrix_are_stored_as_indices(parent_dir, tmp_path):
+    weights = load_file(parent_dir / "model.safetensors")
+    embedding = weights["model.embed_tokens.weight"]
+    embedding[5, 1] = 0.0
+    save_file(weights, str(parent_dir / "model.safetensors"), metadata={"format": "pt"})
+    rows = [5, 3, 9, 3, 0]
+    special = embedding[rows].clone()
+    special[2] = 0.5  # a row that is no copy (a converted drafter's special token)
+    copied = embedding[rows].clone()
+    copied[0, 1] = -0.0  # a copy made arithmetically: equal values, another sign of zero
+    (tmp_path / "drafter").mkdir()
+    save_file({"embed.weight": copied, "special.weight": special, "fc.weight": torch.randn(4, 8)},
+              str(tmp_path / "drafter" / "model.safetensors"))  # fmt: skip
+    packed = pack(tmp_path / "drafter", tmp_path / "packed", reference=str(parent_dir))
+    entries = json.loads((packed / PACK_MANIFEST).read_text())["tensors"]
+    assert entries["embed.weight"]["kind"] == entries["special.weight"]["kind"] == "ref"
+    assert entries["fc.weight"]["kind"] == "int8"
+    assert load_file(packed / "packed.safetensors")["special.weight.patch"].shape == (1, 64)
+    restored = load_file(unpack(packed, tmp_path / "restored") / "model.safetensors")
+    assert torch.equal(restored["embed.weight"], embedding[rows])
+    assert torch.equal(restored["special.weight"], special)
+
+
+def test_without_a_reference_matrices_are_int8_rows_within_half_a_step(tmp_path):
+    (tmp_path / "model").mkdir()
+    weights = {"w": torch.randn(16, 32) * torch.linspace(0.1, 10, 16)[:, None], "norm": torch.rand(32)}
+    save_file(weights, str(tmp_path / "model" / "model.safetensors"))
+    packed = pack(tmp_path / "model", tmp_path / "packed")
+    restored = load_file(unpack(packed, tmp_path / "restored") / "model.safetensors")
+    assert ((restored["w"] - weights["w"]).abs() <= int8_row_bound(weights["w"])).all()
+    assert torch.equal(restored["norm"], weights["norm"])
+    assert pack_size_mib(packed) < pack_size_mib(tmp_path / "model")
+    bf16 = load_file(unpack(pack(tmp_path / "model", tmp_path / "bf16", dtype="bfloat16"), tmp_path / "r2")
+                     / "model.safetensors")  # fmt: skip
+    assert torch.equal(bf16["w"], weights["w"].to(torch.bfloat16).float())
+
+
+def test_a_changed_reference_is_refused_with_the_fix(parent_dir, tmp_path):
+    model_dir = pruned_and_trained(parent_dir, tmp_path)
+    packed = pack(model_dir, tmp_path / "packed", reference=str(parent_dir))
+    (parent_dir / "vocab.txt").write_text("{}")
+    shutil.copy(parent_dir / "vocab.txt", model_dir / "vocab.txt")
+    packed_with_file = pack(model_dir, tmp_path / "packed-file", reference=str(parent_dir))
+    (parent_dir / "vocab.txt").write_text('{"changed": 1}')
+    with pytest.raises(ValueError, match="'vocab.txt' rebuilt from .*does not match the SHA-256"):
+        unpack(packed_with_file, tmp_path / "restored-file")
+    weights = load_file(parent_dir / "model.safetensors")
+    weights["model.embed_tokens.weight"][7, 0] += 1.0
+    save_file(weights, str(parent_dir / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="does not match the SHA-256.*osprey fetch"):
+        unpack(packed, tmp_path / "restored")
+    with pytest.raises(ValueError, match="already exists"):
+        pack(model_dir, packed, reference=str(parent_dir))
+    with pytest.raises(ValueError, match="osprey pack"):
+        unpack(model_dir, tmp_path / "other")
+
+
+def test_a_packed_optimizer_keeps_its_groups_so_the_schedule_resumes(tmp_path):
+    (tmp_path / "checkpoint").mkdir()
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    optimizer = torch.optim.AdamW([weight], lr=0.1)
+    weight.sum().backward()
+    optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "checkpoint" / "optimizer.pt")
+    save_file({"w": weight.detach()}, str(tmp_path / "checkpoint" / "model.safetensors"))
+    packed = pack(tmp_path / "checkpoint", tmp_path / "packed")
+    state = torch.load(packed / "optimizer.pt", weights_only=True)
+    assert state["state"] == {} and state["param_groups"] == optimizer.state_dict()["param_groups"]
+    fresh = torch.optim.AdamW([torch.nn.Parameter(torch.randn(4, 4))], lr=0.5)
+    fresh.load_state_dict(state)  # what Trainer does on resume
+    assert fresh.param_groups[0]["lr"] == 0.1
+
+
+def test_cli_pack_and_unpack(parent_dir, tmp_path, capsys):
+    from osprey.cli import main
+
+    model_dir = pruned_and_trained(parent_dir, tmp_path)
+    argv = ["pack", "--checkpoint", str(model_dir), "--output", str(tmp_path / "p"), "--reference", str(parent_dir)]
+    assert main(argv) == 0
+    assert main(["unpack", "--checkpoint", str(tmp_path / "p"), "--output", str(tmp_path / "u")]) == 0
+    assert load_file(tmp_path / "u" / "model.safetensors").keys() == load_file(model_dir / "model.safetensors").keys()
+    assert main(["unpack", "--checkpoint", str(model_dir), "--output", str(tmp_path / "v")]) == 2
+    assert "written by `osprey pack --checkpoint`" in capsys.readouterr().err
+    argv = ["pack", "--drafter", str(model_dir), "--output", str(tmp_path / "w"), "--reference", str(parent_dir)]
+    assert main(argv) == 2 and "--reference applies to --checkpoint" in capsys.readouterr().err
