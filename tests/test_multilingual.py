@@ -168,3 +168,13 @@ def test_calibration_text_takes_every_group_from_the_training_split(tmp_path, do
     assert "Wi-Fi" in text and "名称" in text and "package fmt" in text and "الشبكة" in text
     assert all(chunk[:12] not in text for chunk in held_out)
     assert len(text) <= 5 * (12 + 2)
+
+
+def test_cli_data_multilingual_builds_and_refuses_flags_of_other_corpora(tmp_path, downloads, monkeypatch, capsys):
+    from osprey.cli import main
+
+    monkeypatch.setattr(multilingual, "MULTILINGUAL_SOURCES", tiny_sources())
+    assert main(["data", "multilingual", "--cache-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "data" / "multilingual" / "calibration.txt").is_file()
+    assert main(["data", "general", "--cache-dir", str(tmp_path), "--lock", "x.json"]) == 2
+    assert "multilingual corpus only" in capsys.readouterr().err

@@ -53,15 +53,13 @@ def add_subcommand(subparsers) -> None:
 
 
 def _run_data(args) -> int:
-    from .data import prepare_general, prepare_sharegpt
+    from .data import prepare_general, prepare_multilingual, prepare_sharegpt
 
     if args.corpus != "multilingual" and (args.tokenizer or args.lock):
         raise ValueError("--tokenizer and --lock apply to the multilingual corpus only.")
     if args.corpus == "general":
         print(prepare_general(args.cache_dir, force=args.force))
     elif args.corpus == "multilingual":
-        from .multilingual import prepare_multilingual
-
         print(prepare_multilingual(args.cache_dir, force=args.force, tokenizer=args.tokenizer, lock=args.lock))
     else:
         print(prepare_sharegpt(args.cache_dir, force=args.force, exclude_prompt_files=args.exclude_prompts))
