@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Target-generated distillation data for Qwen2.5-Coder-1.5B-Instruct (issue 17 §3), resumable across machines: the
+# target answers ShareGPT openings greedily (`osprey regenerate`), one JSON line per conversation, for at most
+# CHUNK_MINUTES per invocation. The answers are committed gzipped in $PACKED (COMMIT=1); on a machine without the
+# runs folder the committed lines are restored first, so no answer is generated twice.
+#
+#   COMMIT=1 nohup benchmarks/replication/regenerate_qwen.sh > /work/runs/regen.log 2>&1 &
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+RUNS=${RUNS:-/work/runs}
+OSPREY=${OSPREY:-.venv/bin/osprey}
+TARGET=qwen2.5-coder-1.5b-instruct
+CHUNK_MINUTES=${CHUNK_MINUTES:-45}
+THREADS=${THREADS:-1}
+COMMIT=${COMMIT:-0}
+OUT=$RUNS/regen/$TARGET
+PACKED=${PACKED:-benchmarks/checkpoints/regenerated-sharegpt-$TARGET}
+source benchmarks/replication/stages.sh  # log
+mkdir -p "$OUT" "$PACKED"
+
+# 1. A fresh machine starts from the committed answers.
+for file in "$PACKED"/*.jsonl.gz; do
+  [ -e "$file" ] || continue
+  local_file=$OUT/$(basename "$file" .gz)
+  if [ ! -s "$local_file" ]; then log "restoring $local_file"; gunzip -c "$file" > "$local_file"; fi
+done
+[ -f "$OUT/manifest.json" ] || { [ -f "$PACKED/manifest.json" ] && cp "$PACKED/manifest.json" "$OUT/"; }
+
+# 2. One chunk of answering (the same settings as the committed answers, or the manifest check refuses).
+log "regenerate for at most $CHUNK_MINUTES min"
+timeout --signal=INT "${CHUNK_MINUTES}m" $OSPREY regenerate --target $TARGET --dataset-name sharegpt --output "$OUT" \
+  --splits test train --max-test-conversations 48 --max-train-conversations 8000 --batch-size 48 \
+  --max-new-tokens 256 --max-prompt-tokens 384 --threads "$THREADS" || log "chunk ended (exit $?)"
+
+# 3. Pack: gzip every split (a torn last line is left out) and commit.
+pack() {
+  cp "$OUT/manifest.json" "$PACKED/manifest.json"
+  for file in "$OUT"/*.jsonl; do
+    .venv/bin/python - "$file" <<'PY' | gzip -n -9 > "$PACKED/$(basename "$file").gz.staging"
+import json, sys
+for line in open(sys.argv[1], encoding="utf-8"):
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        break
+    sys.stdout.write(line)
+PY
+    mv "$PACKED/$(basename "$file").gz.staging" "$PACKED/$(basename "$file").gz"
+  done
+  local counts; counts=$(for f in "$PACKED"/*.jsonl.gz; do echo -n "$(basename "$f" .jsonl.gz) $(gunzip -c "$f" | wc -l) "; done)
+  log "packed: $counts"
+  if [ "$COMMIT" = 1 ]; then
+    git add "$PACKED" && git commit -q -m "Regenerated ShareGPT answers of $TARGET: $counts" -- "$PACKED" || true
+  fi
+}
+pack
