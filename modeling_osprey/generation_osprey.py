@@ -8,9 +8,11 @@ the target's features. Cache entries computed from such predicted features are r
 features once it has verified the tokens.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, LogitsProcessorList
@@ -92,6 +94,24 @@ def draft_chain(
         The draft token ids `(1, k)` in the target vocabulary (`1 <= k <= num_draft_tokens`) and the processed
         scores `(1, k, vocab_size)` each was chosen from.
     """
+    outputs = _read_verified_positions(drafter, state, input_ids, new_target_features)
+    return _continue_chain(
+        drafter,
+        outputs,
+        state.cache,
+        input_ids,
+        num_draft_tokens,
+        logits_processor,
+        do_sample,
+        eos_token_ids,
+        generator,
+        confidence_threshold,
+    )
+
+
+def _read_verified_positions(drafter, state: DraftState, input_ids, new_target_features):
+    """Runs the drafter over the positions the target verified since the last draft (dropping the cache entries its
+    own predictions left); its last position's output proposes the first draft token."""
     start, sequence_length = state.num_verified_positions, input_ids.shape[1]
     num_new_positions = sequence_length - 1 - start
     if num_new_positions < 1 or new_target_features.shape[1] < num_new_positions:
@@ -109,18 +129,145 @@ def draft_chain(
         logits_to_keep=1,
     )
     state.num_verified_positions = sequence_length - 1
-    return _continue_chain(
-        drafter,
-        outputs,
-        state.cache,
-        input_ids,
-        num_draft_tokens,
-        logits_processor,
-        do_sample,
-        eos_token_ids,
-        generator,
-        confidence_threshold,
+    return outputs
+
+
+@dataclass
+class DraftTree:
+    """Draft tokens as a tree rooted at the sequence's last token; nodes are listed parents first.
+
+    Attributes:
+        tokens: `(num_nodes,)` target-vocabulary ids.
+        parents: each node's parent index, -1 for the root's children.
+        depths: each node's depth (1 for the root's children).
+        draft_scores: per node, the processed drafter scores `(vocab_size,)` at its parent, over the target
+            vocabulary: what the node was picked from (siblings share one tensor).
+        cumulative_log_probs: per node, the log of the product of draft probabilities along its path: the score
+            nodes were ranked by.
+    """
+
+    tokens: torch.LongTensor
+    parents: list[int]
+    depths: list[int]
+    draft_scores: list[torch.Tensor]
+    cumulative_log_probs: list[float]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    def children(self, node: int) -> list[int]:
+        """Indices of `node`'s children (`node = -1`: the root's), most probable first."""
+        return [child for child, parent in enumerate(self.parents) if parent == node]
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from a child of the root down to `node` (empty for the root, -1)."""
+        return _path(self.parents, node)
+
+    def proposal(self, node: int, earlier_siblings: list[int]) -> torch.Tensor:
+        """The distribution `node` was drawn from, given its earlier siblings. A draft tree takes the drafter's top-k,
+        a deterministic choice: a point mass on the node's token. Verification's recursive rejection over siblings
+        divides by it."""
+        return F.one_hot(self.tokens[node], self.draft_scores[node].shape[-1]).to(self.draft_scores[node].dtype)
+
+
+@torch.no_grad()
+def draft_tree(
+    drafter,
+    state: DraftState,
+    input_ids: torch.LongTensor,
+    new_target_features: torch.Tensor,
+    depth: int,
+    topk: int,
+    tree_size: int,
+    logits_processor: LogitsProcessorList | None = None,
+    eos_token_ids: torch.Tensor | None = None,
+) -> DraftTree:
+    """Drafts a tree following `input_ids` (batch 1), EAGLE-2 style: level 1 holds the drafter's `topk` most probable
+    first tokens; each further level (up to `depth`) expands the `topk` most probable nodes of the previous level (by
+    cumulative draft probability) into their `topk` most probable children, all in one drafter step under a tree
+    attention mask; then the `tree_size` most probable nodes of all levels are kept. Children are the drafter's top-k
+    after `logits_processor`, for greedy and sampling alike (verification treats them as deterministic picks).
+
+    `input_ids` and `new_target_features` are as for `draft_chain`. Nodes holding an eos token are not expanded.
+    """
+    outputs = _read_verified_positions(drafter, state, input_ids, new_target_features)
+    eos = set() if eos_token_ids is None else set(eos_token_ids.tolist())
+    verified_length, device = state.cache.get_seq_length(), input_ids.device
+    tokens, parents, depths, draft_scores, cumulative = [], [], [], [], []
+    frontier, cache_index = [-1], {}  # expanded nodes of the last level; node -> its drafter cache position
+    for level in range(1, depth + 1):
+        new_nodes = []
+        for slot, parent in enumerate(frontier):
+            scores = draft_scores_over_target_vocab(drafter, outputs.logits[:, slot if parent >= 0 else -1])
+            if logits_processor:
+                path_tokens = input_ids.new_tensor([tokens[node] for node in _path(parents, parent)])
+                scores = logits_processor(torch.cat([input_ids, path_tokens[None]], dim=-1), scores)
+            log_probs = scores[0].log_softmax(dim=-1)
+            best = log_probs.topk(min(topk, log_probs.shape[0]))
+            base = cumulative[parent] if parent >= 0 else 0.0
+            for log_prob, token in zip(best.values.tolist(), best.indices.tolist()):
+                if log_prob == float("-inf"):  # outside a reduced draft vocabulary, or filtered out
+                    continue
+                new_nodes.append(len(tokens))
+                tokens.append(token)
+                parents.append(parent)
+                depths.append(level)
+                draft_scores.append(scores[0])
+                cumulative.append(base + log_prob)
+        # The draft hidden state a node is fed with is the drafter output its token was picked from.
+        hidden_slot = {node: frontier.index(parents[node]) for node in new_nodes}
+        expandable = [node for node in new_nodes if tokens[node] not in eos]
+        expandable = sorted(expandable, key=lambda node: -cumulative[node])[:topk]
+        if level == depth or not expandable:
+            break
+        past_length = state.cache.get_seq_length()
+        mask = torch.zeros(1, 1, len(expandable), past_length + len(expandable), dtype=torch.bool, device=device)
+        mask[..., :verified_length] = True
+        for row, node in enumerate(expandable):
+            cache_index[node] = past_length + row
+            for ancestor in _path(parents, node):
+                mask[0, 0, row, cache_index[ancestor]] = True
+        feed = input_ids.new_tensor([tokens[node] for node in expandable])[None]
+        previous_hidden = outputs.prenorm_hidden_states[:, -1:] if frontier == [-1] else outputs.prenorm_hidden_states
+        outputs = drafter(
+            feed,
+            draft_hidden_states=previous_hidden[:, [hidden_slot[node] for node in expandable]],
+            attention_mask=mask,
+            position_ids=torch.full_like(feed, input_ids.shape[1] - 2 + level),  # a depth-`level` token's position
+            cache=state.cache,
+            use_cache=True,
+        )
+        frontier = expandable
+    keep = _most_probable_closed_subtree(cumulative, tree_size)
+    renumber = {old: new for new, old in enumerate(keep)}
+    return DraftTree(
+        tokens=input_ids.new_tensor([tokens[node] for node in keep]),
+        parents=[renumber[parents[node]] if parents[node] >= 0 else -1 for node in keep],
+        depths=[depths[node] for node in keep],
+        draft_scores=[draft_scores[node] for node in keep],
+        cumulative_log_probs=[cumulative[node] for node in keep],
     )
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def _most_probable_closed_subtree(cumulative_log_probs: list[float], size: int) -> list[int]:
+    """The `size` nodes of highest cumulative probability, in creation order (parents first). A child's cumulative
+    probability never exceeds its parent's and parents are created first, so with a stable sort every kept node's
+    ancestors are kept too."""
+    ranked = sorted(range(len(cumulative_log_probs)), key=lambda node: -cumulative_log_probs[node])
+    return sorted(ranked[:size])
 
 
 @torch.no_grad()
@@ -200,6 +347,16 @@ class OspreyAssistantMixin:
         self._target_capture = capture
         self._draft_state = None
 
+    @contextmanager
+    def attached(self, target: nn.Module):
+        """`with drafter.attached(target):` hooks `target` for `target.generate(..., assistant_model=drafter)` inside
+        the block and removes the hooks when it ends, even on error (`attach_target` / `detach_target` in one)."""
+        self.attach_target(target)
+        try:
+            yield self
+        finally:
+            self.detach_target()
+
     def detach_target(self) -> None:
         """Removes the hooks `attach_target` installed; the target runs unobserved again."""
         if self._target_capture is not None:
@@ -235,6 +392,15 @@ class OspreyAssistantMixin:
                 "`osprey.decode.speculative_generate` per prompt."
             )
         generation_config = generation_config or self.generation_config
+        configs = (generation_config, self.generation_config)
+        draft_topk = max(getattr(config, "draft_topk", None) or 1 for config in configs)
+        if draft_topk > 1:
+            raise ValueError(
+                f"draft_topk={draft_topk} asks for draft trees, but transformers' assisted generation "
+                "(`assistant_model=`) verifies chains. Set `drafter.generation_config.draft_topk = 1`, or decode trees "
+                "with `target.generate(..., custom_generate=DRAFTER_DIR, trust_remote_code=True)` or "
+                "`osprey.decode.speculative_generate`."
+            )
         confidence_threshold = generation_config.assistant_confidence_threshold or 0.0
         logits_processor = LogitsProcessorList(logits_processor or [])  # transformers passes a plain list
         num_draft_tokens = max_new_tokens or generation_config.num_assistant_tokens

@@ -19,6 +19,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
 from .configuration_osprey import DRAFTING_DEFAULTS, OspreyConfig
+from .decoding_osprey import write_custom_generate
 from .generation_osprey import OspreyAssistantMixin
 
 # The weights file of a packed drafter (`osprey pack`: int8 rows), which only the osprey package reads.
@@ -357,8 +358,12 @@ class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationM
     Speculative decoding with transformers:
 
     ```python
-    >>> drafter.attach_target(target)  # hooks the target's tap layers
-    >>> target.generate(input_ids, assistant_model=drafter, max_new_tokens=128)
+    >>> with drafter.attached(target):  # hooks the target's tap layers, removed at the end of the block
+    ...     target.generate(input_ids, assistant_model=drafter, max_new_tokens=128)
+    >>> # Osprey's own loop, chains or draft trees, from the folder `save_pretrained` wrote:
+    >>> target.generate(
+    ...     input_ids, assistant_model=drafter, custom_generate=FOLDER, trust_remote_code=True, draft_topk=3
+    ... )
     ```
 
     The target calls the drafter's `generate` before each verification step; it drafts a chain of
@@ -383,6 +388,13 @@ class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationM
 
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' `save_pretrained`, plus `custom_generate/` (Osprey's decoding loop as remote code), so the
+        folder or its Hub repo also works as `target.generate(..., custom_generate=FOLDER, trust_remote_code=True)`."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            write_custom_generate(save_directory)
 
     def draft_ids_to_target_ids(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
         """Maps ids over the draft vocabulary (LM-head rows) to target-vocabulary ids."""

@@ -19,13 +19,14 @@ import json
 import os
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
+from modeling_osprey.decoding_osprey import CUSTOM_GENERATE_DIR, default_tree_size
 
 from .bench_report import save_report, summarize
 from .bench_suites import SUITES, BenchPrompt, load_suite, select_subset
@@ -42,6 +43,8 @@ class BenchSettings:
     max_new_tokens: int = 128
     num_draft_tokens: int = DRAFTING_DEFAULTS["num_assistant_tokens"]
     confidence_threshold: float = DRAFTING_DEFAULTS["assistant_confidence_threshold"]
+    draft_topk: int = 1  # tree methods' shape (chain methods draft chains whatever these say)
+    tree_size: int | None = None
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int | None = None
@@ -50,20 +53,40 @@ class BenchSettings:
     chat_template: bool = True
 
 
+ROUTES = ("standalone", "hf", "custom")
+
+
 @dataclass
 class BenchMethod:
-    """A decoding method. With `drafter` (an Osprey-format drafter) it runs `speculative_generate`; otherwise
-    `target.generate`, assisted by `assistant` (SpS) or `prompt_lookup_num_tokens` (PLD), or alone."""
+    """A decoding method. With `drafter` (an Osprey-format drafter) it decodes by `route`: `standalone` runs
+    `speculative_generate`, `hf` transformers' `target.generate(assistant_model=drafter)` (chains), `custom` the
+    drafter folder's `custom_generate` inside `target.generate` (`drafter_dir`); `tree` drafts trees of the settings'
+    `draft_topk` / `tree_size` instead of chains. Without a drafter: `target.generate`, assisted by `assistant` (SpS)
+    or `prompt_lookup_num_tokens` (PLD), or alone."""
 
     name: str
     spec: str
     drafter: torch.nn.Module | None = None
     assistant: torch.nn.Module | None = None
     prompt_lookup_num_tokens: int | None = None
+    route: str = "standalone"
+    tree: bool = False
+    drafter_dir: str | None = None
+    tree_shape: tuple[int, int | None] | None = None  # (draft_topk, tree_size) of this method, else the settings'
+
+    def __post_init__(self):
+        if self.route not in ROUTES:
+            raise ValueError(f"Unknown route {self.route!r}: use one of {', '.join(ROUTES)}.")
+        if self.route == "hf" and self.tree:
+            raise ValueError("The `hf` route (assistant_model=) verifies chains only: drop the tree for it.")
+        if self.route == "custom" and self.drafter_dir is None:
+            raise ValueError("The `custom` route runs the drafter folder's custom_generate: pass drafter_dir.")
 
     def generate(self, target, input_ids, settings: BenchSettings, eos_token_id, request_seed: int):
         """The full output sequence and, for `speculative_generate`, its `SpeculativeStats` (else None)."""
-        if self.drafter is not None:
+        topk, size = self.tree_shape or (settings.draft_topk, settings.tree_size)
+        shape = dict(draft_topk=topk, tree_size=size) if self.tree else {}
+        if self.drafter is not None and self.route == "standalone":
             generator = torch.Generator(device=input_ids.device).manual_seed(request_seed)
             return speculative_generate(
                 target,
@@ -78,9 +101,19 @@ class BenchMethod:
                 top_p=settings.top_p,
                 eos_token_id=eos_token_id,
                 generator=generator,
+                **shape,
             )
         torch.manual_seed(request_seed)
         extra = {}
+        if self.drafter is not None:  # the drafter's routes through `target.generate`
+            self.drafter.generation_config.num_assistant_tokens = settings.num_draft_tokens
+            self.drafter.generation_config.assistant_confidence_threshold = settings.confidence_threshold
+            extra["assistant_model"] = self.drafter
+            if self.route == "custom":
+                extra |= dict(custom_generate=self.drafter_dir, trust_remote_code=True, **shape)
+            else:
+                with self.drafter.attached(target):
+                    return self._target_generate(target, input_ids, settings, eos_token_id, extra), None
         if self.assistant is not None:  # SpS: chains of `num_draft_tokens`, stopping early exactly as the drafters do
             self.assistant.generation_config.num_assistant_tokens = settings.num_draft_tokens
             self.assistant.generation_config.num_assistant_tokens_schedule = "constant"
@@ -88,7 +121,11 @@ class BenchMethod:
             extra["assistant_model"] = self.assistant
         if self.prompt_lookup_num_tokens is not None:
             extra["prompt_lookup_num_tokens"] = self.prompt_lookup_num_tokens
-        output = target_generate(
+        return self._target_generate(target, input_ids, settings, eos_token_id, extra), None
+
+    @staticmethod
+    def _target_generate(target, input_ids, settings, eos_token_id, extra):
+        return target_generate(
             target,
             input_ids,
             settings.max_new_tokens,
@@ -99,7 +136,6 @@ class BenchMethod:
             eos_token_id,
             **extra,
         )
-        return output, None
 
     @property
     def draft_model(self):
@@ -167,9 +203,10 @@ def run_request(target, tokenizer, method: BenchMethod, prompt: BenchPrompt, set
         _synchronize(input_ids.device)
         wall_time_s = time.perf_counter() - start
     if stats is not None:
-        accepted, drafted = stats.accepted_per_step, stats.drafted_per_step
+        accepted, drafted, verified = stats.accepted_per_step, stats.drafted_per_step, stats.verified_per_step
     else:
         accepted, drafted = steps_from_target_calls(target_calls.calls, input_ids.shape[1], output.shape[1])
+        verified = drafted
     new_ids = output[0, input_ids.shape[1] :].tolist()
     prefill_s = target_calls.calls[0][2] if target_calls.calls else 0.0
     verify_s, draft_s = target_calls.seconds - prefill_s, draft_calls.seconds
@@ -185,6 +222,7 @@ def run_request(target, tokenizer, method: BenchMethod, prompt: BenchPrompt, set
         "tau": sum(a + 1 for a in accepted) / len(accepted) if accepted else None,
         "accepted_per_step": accepted,
         "drafted_per_step": drafted,
+        "verified_per_step": verified,
         "time_split_s": {
             "prefill": prefill_s,
             "verify": verify_s,
@@ -313,12 +351,51 @@ def parse_method_specs(drafters: list[str], baselines: str) -> list[tuple[str, s
     return pairs
 
 
+# A drafter's method per route and shape: (spec kind, name suffix, route, tree).
+DRAFTER_METHODS = {
+    ("standalone", False): ("drafter", "", "standalone", False),
+    ("standalone", True): ("drafter-tree", "-tree", "standalone", True),
+    ("hf", False): ("hf", "-hf", "hf", False),
+    ("custom", False): ("custom", "-custom", "custom", False),
+    ("custom", True): ("custom-tree", "-custom-tree", "custom", True),
+}
+
+
+def expand_drafter_methods(pairs: list[tuple[str, str]], routes: list[str], trees: bool) -> list[tuple[str, str]]:
+    """Each `drafter:DIR` method once per route (`standalone` keeps the plain name, others get `-hf` / `-custom`) and,
+    with `trees`, again drafting trees (`-tree`) on the routes that verify trees; other methods unchanged."""
+    unknown = sorted(set(routes) - set(ROUTES))
+    if unknown:
+        raise ValueError(f"Unknown route(s) {unknown}: choose from {', '.join(ROUTES)}.")
+    expanded = []
+    for name, spec in pairs:
+        kind, _, location = spec.partition(":")
+        if kind != "drafter":
+            expanded.append((name, spec))
+            continue
+        for key in [(route, tree) for route in routes for tree in ((False, True) if trees else (False,))]:
+            if key in DRAFTER_METHODS:
+                spec_kind, suffix, _, _ = DRAFTER_METHODS[key]
+                expanded.append((name + suffix, f"{spec_kind}:{location}"))
+    return expanded
+
+
 def load_method(name: str, spec: str, tokenizer, dtype: torch.dtype, device: str) -> BenchMethod:
     from .zoo import load_causal_lm, load_tokenizer
 
     kind, _, argument = spec.partition(":")
-    if kind == "drafter":
-        return BenchMethod(name, spec, drafter=load_drafter(argument, dtype, device))
+    drafter_kinds = {spec_kind: (route, tree) for spec_kind, _, route, tree in DRAFTER_METHODS.values()}
+    if kind in drafter_kinds:
+        route, tree = drafter_kinds[kind]
+        drafter = load_drafter(argument, dtype, device)
+        folder = Path(drafter.name_or_path)
+        if route == "custom" and not (folder / CUSTOM_GENERATE_DIR / "generate.py").is_file():
+            raise ValueError(
+                f"{argument} has no {CUSTOM_GENERATE_DIR}/generate.py for the custom route: it was saved before "
+                "drafters carried it, or is packed. Save it again (`osprey unpack --drafter DIR --output NEW_DIR`, or "
+                "`load_drafter(DIR).save_pretrained(NEW_DIR)`) and bench NEW_DIR."
+            )
+        return BenchMethod(name, spec, drafter=drafter, route=route, tree=tree, drafter_dir=str(folder))
     if kind == "pld":
         return BenchMethod(name, spec, prompt_lookup_num_tokens=int(argument or 10))
     if kind == "sps":
@@ -362,6 +439,14 @@ def add_subcommand(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds the subset and sampling")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     add_decoding_arguments(parser)
+    parser.add_argument(
+        "--routes",
+        default="standalone",
+        metavar="LIST",
+        help="comma-separated routes each drafter decodes by: standalone (speculative_generate), hf "
+        "(target.generate(assistant_model=drafter), chains), custom (target.generate(custom_generate=DRAFTER_DIR)); "
+        "with --draft-topk > 1 each drafter also drafts trees on the routes that verify them (default: standalone)",
+    )
     parser.add_argument("--no-chat-template", action="store_true", help="feed prompts without the chat template")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -372,7 +457,8 @@ def add_subcommand(subparsers) -> None:
 def _run_bench(args) -> int:
     from .zoo import load_causal_lm, load_tokenizer
 
-    specs = parse_method_specs(args.drafter, args.baselines)
+    routes = [route.strip() for route in args.routes.split(",") if route.strip()]
+    specs = expand_drafter_methods(parse_method_specs(args.drafter, args.baselines), routes, args.draft_topk > 1)
     prompts = [
         prompt
         for suite in args.prompts or ["spec_bench"]
@@ -383,6 +469,8 @@ def _run_bench(args) -> int:
         num_draft_tokens=args.num_draft_tokens,
         confidence_threshold=args.confidence_threshold,
         do_sample=args.do_sample,
+        draft_topk=args.draft_topk,
+        tree_size=args.tree_size,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -391,6 +479,8 @@ def _run_bench(args) -> int:
     )
     dtype = getattr(torch, args.dtype)
     target, tokenizer = load_causal_lm(args.target, dtype=dtype).to(args.device).eval(), load_tokenizer(args.target)
+    if args.draft_topk > 1 and args.tree_size is None:  # the default this target's device gets, recorded
+        settings = replace(settings, tree_size=default_tree_size(target, args.num_draft_tokens, args.draft_topk))
     methods = [load_method(name, spec, tokenizer, dtype, args.device) for name, spec in specs]
     results = run_benchmark(
         target, tokenizer, methods, prompts, settings, output_path=args.output, target_name=args.target

@@ -1,13 +1,9 @@
-"""Stage 5, decode: a standalone speculative decoding loop with per-request statistics.
+"""Stage 5, decode: speculative decoding with per-request statistics, and `osprey decode`.
 
-`target.generate(ids, assistant_model=drafter)` is the user-facing path; this loop runs the same drafting core
-(`modeling_osprey.generation_osprey`) without transformers' `generate` machinery, so benchmarks and the demo can see
-every verification step: how many drafts were accepted where, and the mean acceptance length τ.
-
-Verification is lossless. Greedy: a draft is accepted while it equals the target's argmax. Sampling (speculative
-sampling, Leviathan et al. 2023): draft `d ~ q` is accepted with probability `min(1, p(d) / q(d))`; the first rejected
-position is resampled from `norm(max(0, p - q))`; when every draft is accepted a bonus token is drawn from `p`. `p`
-and `q` are the target's and drafter's distributions after the same logits processors (temperature, top-k, top-p).
+The loop itself is `modeling_osprey.decoding_osprey.decode` (remote code, also run by a saved drafter's
+`custom_generate`); this module wraps it with what benchmarks, the demo and the Space read: how many drafts were
+accepted at every verification step, the mean acceptance length τ, tokens/s. `target.generate(ids,
+assistant_model=drafter)` is transformers' route, chains only (transformers verifies chains).
 """
 
 import json
@@ -16,12 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import DynamicCache
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
-from modeling_osprey.generation_osprey import DraftState, crop_cache, draft_chain
-from modeling_osprey.target_features import TargetFeatureCapture
+from modeling_osprey.decoding_osprey import CPU_DRAFT_TOPK, CPU_TREE_SIZE, DecodingStep, decode
 
 
 @dataclass
@@ -31,13 +25,15 @@ class SpeculativeStats:
     Attributes:
         new_tokens: tokens generated, the prefill's included.
         accepted_per_step: draft tokens the target accepted at each verification step.
-        drafted_per_step: draft tokens proposed at each verification step.
+        drafted_per_step: the longest draft path offered at each verification step (chain length, tree depth).
+        verified_per_step: draft tokens the target verified at each step (the chain's, or the tree's nodes).
         wall_time_s: seconds spent in the loop, prefill included.
     """
 
     new_tokens: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
     drafted_per_step: list[int] = field(default_factory=list)
+    verified_per_step: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0
 
     @property
@@ -94,6 +90,8 @@ def speculative_generate(
     input_ids: torch.LongTensor,
     max_new_tokens: int = 128,
     num_draft_tokens: int = DRAFTING_DEFAULTS["num_assistant_tokens"],
+    draft_topk: int = 1,
+    tree_size: int | None = None,
     confidence_threshold: float = DRAFTING_DEFAULTS["assistant_confidence_threshold"],
     do_sample: bool = False,
     temperature: float = 1.0,
@@ -102,69 +100,52 @@ def speculative_generate(
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
     on_tokens: Callable[[torch.LongTensor, int | None], None] | None = None,
+    on_step: Callable[[DecodingStep], None] | None = None,
 ) -> tuple[torch.LongTensor, SpeculativeStats]:
     """Generates up to `max_new_tokens` after `input_ids` (batch 1) with `drafter` proposing chains of
-    `num_draft_tokens` and `target` verifying them; returns the full sequence and the request's statistics. A chain
-    stops early after a draft the drafter gave a probability below `confidence_threshold` (0: full chains).
+    `num_draft_tokens` (or, with `draft_topk > 1`, trees of that depth and `tree_size` nodes) and `target` verifying
+    them; returns the full sequence and the request's statistics. A chain stops early after a draft the drafter gave a
+    probability below `confidence_threshold` (0: full chains). The loop is `modeling_osprey.decoding_osprey.decode`.
 
     `on_tokens(tokens, accepted)` streams the output as it is decided, for demos: it is called with the prefill's
     token (`accepted=None`), then once per verification step with the tokens that step emitted, `tokens[:, :accepted]`
     being accepted drafts and any token after them the target's own (correction or bonus; absent when the step's
-    output was cut at eos or `max_new_tokens`).
+    output was cut at eos or `max_new_tokens`). `on_step(step)` sees each verification step whole, the verified tree
+    included.
     """
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"speculative_generate decodes one prompt at a time, got batch size {input_ids.shape[0]}.")
-    drafter.config.check_target(target)
-    processors = sampling_processors(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
-    eos_ids = None if eos_token_id is None else torch.tensor(eos_token_id, device=input_ids.device).view(-1)
     stats, start_time = SpeculativeStats(), time.perf_counter()
-    with TargetFeatureCapture(target, drafter.config.target_layer_ids) as capture:
-        cache = DynamicCache(config=target.config)
-        cache.activate_past_recording()  # sliding-window layers must keep what they slide out, to roll back
-        logits = target(input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:]
-        if not cache.is_croppable:
-            raise ValueError(
-                f"{type(target).__name__}'s cache keeps recurrent (or quantized) state that cannot be rolled back "
-                "after rejected drafts, so it cannot be verified speculatively. Use a target with attention KV caches."
-            )
-        first = _target_tokens(logits.float(), input_ids, processors, do_sample, generator)
-        sequence, features = torch.cat([input_ids, first], dim=-1), capture.features
-        stats.new_tokens = 1
-        if on_tokens is not None:
-            on_tokens(first, None)
-        state = DraftState()
-        while stats.new_tokens < max_new_tokens and not _ends_with(sequence, eos_ids):
-            budget = min(num_draft_tokens, max_new_tokens - stats.new_tokens - 1)
-            if budget > 0:
-                drafts, draft_scores = draft_chain(
-                    drafter,
-                    state,
-                    sequence,
-                    features,
-                    budget,
-                    processors,
-                    do_sample,
-                    eos_ids,
-                    generator,
-                    confidence_threshold,
-                )
-            else:  # room for one token only: the target's own
-                drafts, draft_scores = sequence.new_empty(1, 0), None
-            verify_input = torch.cat([sequence[:, -1:], drafts], dim=-1)
-            logits = target(verify_input, cache=cache, use_cache=True, logits_to_keep=verify_input.shape[1]).logits
-            features = capture.features
-            accepted, next_token = _verify(
-                logits.float(), sequence, drafts, draft_scores, processors, do_sample, generator
-            )
-            emitted = torch.cat([drafts[:, :accepted], next_token], dim=-1)
-            emitted = _truncate_after_eos(emitted, eos_ids)[:, : max_new_tokens - stats.new_tokens]
-            crop_cache(cache, sequence.shape[1] + accepted)  # the verified positions; the next token is not yet in
-            sequence = torch.cat([sequence, emitted], dim=-1)
-            stats.new_tokens += emitted.shape[1]
-            stats.accepted_per_step.append(accepted)
-            stats.drafted_per_step.append(drafts.shape[1])
+
+    def record(step: DecodingStep | None, sequence: torch.LongTensor) -> None:
+        if step is None:
+            stats.new_tokens = 1
             if on_tokens is not None:
-                on_tokens(emitted, accepted)
+                on_tokens(sequence[:, -1:], None)
+            return
+        stats.new_tokens += step.emitted.shape[1]
+        stats.accepted_per_step.append(step.accepted)
+        stats.drafted_per_step.append(step.drafted)
+        stats.verified_per_step.append(step.drafted if step.tree is None else step.tree.num_nodes)
+        if on_tokens is not None:
+            on_tokens(step.emitted, step.accepted)
+        if on_step is not None:
+            on_step(step)
+
+    processors = sampling_processors(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
+    sequence = decode(
+        target,
+        drafter,
+        input_ids,
+        max_new_tokens=max_new_tokens,
+        num_draft_tokens=num_draft_tokens,
+        draft_topk=draft_topk,
+        tree_size=tree_size,
+        confidence_threshold=confidence_threshold,
+        logits_processor=processors,
+        do_sample=do_sample,
+        eos_token_id=eos_token_id,
+        generator=generator,
+        on_step=record,
+    )
     stats.wall_time_s = time.perf_counter() - start_time
     return sequence, stats
 
@@ -224,52 +205,6 @@ def target_generate(
     )
 
 
-def _target_tokens(logits, prefix, processors, do_sample, generator) -> torch.LongTensor:
-    scores = processors(prefix, logits[:, -1]) if processors else logits[:, -1]
-    if do_sample:
-        return torch.multinomial(scores.softmax(dim=-1), num_samples=1, generator=generator)
-    return scores.argmax(dim=-1, keepdim=True)
-
-
-def _verify(logits, sequence, drafts, draft_scores, processors, do_sample, generator) -> tuple[int, torch.LongTensor]:
-    """Number of drafts accepted, and the target's next token after them (a correction or the bonus token)."""
-    num_drafts = drafts.shape[1]
-    scores = torch.stack(
-        [
-            processors(torch.cat([sequence, drafts[:, :position]], dim=-1), logits[:, position])
-            if processors
-            else logits[:, position]
-            for position in range(num_drafts + 1)
-        ],
-        dim=1,
-    )
-    if not do_sample:
-        target_choice = scores.argmax(dim=-1)
-        matches = (target_choice[:, :num_drafts] == drafts)[0].tolist() + [False]
-        accepted = matches.index(False)
-        return accepted, target_choice[:, accepted : accepted + 1]
-    target_probs = scores.softmax(dim=-1)[0]
-    for position in range(num_drafts):
-        token = drafts[0, position]
-        draft_probs = draft_scores[0, position].softmax(dim=-1)
-        acceptance = (target_probs[position, token] / draft_probs[token]).clamp(max=1.0)
-        if torch.rand((), generator=generator, device=acceptance.device) >= acceptance:
-            residual = (target_probs[position] - draft_probs).clamp(min=0)
-            return position, torch.multinomial(residual / residual.sum(), 1, generator=generator)[None]
-    return num_drafts, torch.multinomial(target_probs[num_drafts], 1, generator=generator)[None]
-
-
-def _ends_with(sequence: torch.LongTensor, eos_ids: torch.Tensor | None) -> bool:
-    return eos_ids is not None and bool(torch.isin(sequence[0, -1], eos_ids))
-
-
-def _truncate_after_eos(tokens: torch.LongTensor, eos_ids: torch.Tensor | None) -> torch.LongTensor:
-    if eos_ids is None:
-        return tokens
-    is_eos = torch.isin(tokens[0], eos_ids).nonzero()
-    return tokens if len(is_eos) == 0 else tokens[:, : int(is_eos[0]) + 1]
-
-
 def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> torch.LongTensor:
     """`text` as the user turn of the tokenizer's chat template, ready for generation (raw: `chat_template=False`)."""
     if not chat_template:
@@ -283,12 +218,25 @@ def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> torch.Lon
 
 
 def add_decoding_arguments(parser) -> None:
-    """The chain length and sampling flags `osprey decode` and `osprey bench` share."""
+    """The chain / tree shape and sampling flags `osprey decode` and `osprey bench` share."""
     parser.add_argument(
         "--num-draft-tokens",
         type=int,
         default=DRAFTING_DEFAULTS["num_assistant_tokens"],
-        help="chain length per verification step",
+        help="chain length (or tree depth) per verification step",
+    )
+    parser.add_argument(
+        "--draft-topk",
+        type=int,
+        default=1,
+        help="draft trees: expand the K most probable nodes of each level into their K most probable children "
+        "(1: chains)",
+    )
+    parser.add_argument(
+        "--tree-size",
+        type=int,
+        help=f"draft tree nodes verified per step (default: {CPU_TREE_SIZE} on a CPU, measured with --draft-topk "
+        f"{CPU_DRAFT_TOPK}; num-draft-tokens x draft-topk on accelerators)",
     )
     parser.add_argument(
         "--confidence-threshold",
@@ -333,6 +281,8 @@ def _run_decode(args) -> int:
         input_ids,
         max_new_tokens=args.max_new_tokens,
         num_draft_tokens=args.num_draft_tokens,
+        draft_topk=args.draft_topk,
+        tree_size=args.tree_size,
         confidence_threshold=args.confidence_threshold,
         eos_token_id=target.generation_config.eos_token_id,
         generator=torch.Generator().manual_seed(args.seed),

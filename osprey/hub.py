@@ -25,6 +25,8 @@ from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, SpaceCard
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from huggingface_hub.utils import validate_repo_id
 
+from modeling_osprey.decoding_osprey import CUSTOM_GENERATE_DIR, write_custom_generate
+
 try:  # the HTTP client of huggingface_hub 2.x; 1.x used httpx
     import httpx2 as httpx
 except ImportError:
@@ -75,6 +77,7 @@ def push_drafter_folder(
         ]
         generation_config = drafter_generation_config(folder, config).encode()
         files.append(CommitOperationAdd("generation_config.json", generation_config))
+        files += custom_generate_operations(folder)
         return files + [CommitOperationAdd("README.md", str(final_card).encode())]
 
     return _commit(
@@ -87,6 +90,20 @@ def push_drafter_folder(
         commit_message=commit_message or "Upload Osprey drafter",
         commit_description=commit_description,
     )
+
+
+def custom_generate_operations(folder: Path) -> list[CommitOperationAdd]:
+    """`custom_generate/` (Osprey's decoding loop as remote code) as the folder saved it, or, for a drafter saved
+    before drafters carried it, as the installed package writes it (nothing local is written)."""
+    saved = folder / CUSTOM_GENERATE_DIR
+    if not (saved / "generate.py").is_file():
+        with tempfile.TemporaryDirectory(prefix="osprey-custom-generate-") as staging:
+            saved = write_custom_generate(staging)
+            return [
+                CommitOperationAdd(f"{CUSTOM_GENERATE_DIR}/{path.name}", path.read_bytes())
+                for path in sorted(saved.glob("*.py"))
+            ]
+    return [CommitOperationAdd(f"{CUSTOM_GENERATE_DIR}/{path.name}", str(path)) for path in sorted(saved.glob("*.py"))]
 
 
 def push_drafter(

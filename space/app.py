@@ -58,6 +58,8 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
         "num_draft_tokens": 5,
         "confidence_threshold": 0.0,
         "temperature": 0.0,
+        "draft_topk": 1,
+        "tree_size": 10,
         "max_new_tokens": min(128, limits.max_new_tokens),
     }
     results = dict.fromkeys(OUTPUT_NAMES)
@@ -93,6 +95,20 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
                 num_draft_tokens = gr.Slider(
                     1, limits.max_draft_tokens, value=request["num_draft_tokens"], step=1, label="Draft length"
                 )
+                draft_topk = gr.Slider(
+                    1,
+                    limits.max_draft_topk,
+                    value=request["draft_topk"],
+                    step=1,
+                    label="Branching: draft a tree of the K most probable continuations per level (1 = chains)",
+                )
+                tree_size = gr.Slider(
+                    1,
+                    limits.max_tree_size,
+                    value=request["tree_size"],
+                    step=1,
+                    label="Tree size: draft nodes the target verifies per step (trees only)",
+                )
                 confidence_threshold = gr.Slider(
                     0,
                     1,
@@ -121,6 +137,7 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
                 color_map={ACCEPTED: "#34d399", TARGET: "#fbbf24"},
             )
             target_output = gr.Textbox(value=results["target_only"], label="Target only", lines=10, interactive=False)
+        tree_view = gr.HTML(value=results["tree"] or "", label="Last verified draft tree (accepted path in green)")
         gr.Markdown("## τ per category and language, from saved benchmarks")
         benchmark_plot = gr.ScatterPlot(
             x="category",
@@ -135,13 +152,23 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
         benchmark_note = gr.Markdown()
 
         target.change(space.drafter_choices, target, drafter, api_name=False)
-        inputs = [prompt, target, drafter, num_draft_tokens, temperature, max_new_tokens, confidence_threshold]
+        inputs = [
+            prompt,
+            target,
+            drafter,
+            num_draft_tokens,
+            temperature,
+            max_new_tokens,
+            confidence_threshold,
+            draft_topk,
+            tree_size,
+        ]
         # One generation at a time: timings are only honest without other requests competing for the hardware.
         gr.on(
             [run.click, prompt.submit],
             space.generate,
             inputs,
-            [osprey_output, target_output, *stats],
+            [osprey_output, target_output, *stats, tree_view],
             api_name="generate",
             concurrency_limit=1,
         )

@@ -3,7 +3,9 @@
 Kept apart from the Gradio layout (`app.py`) so tests drive them directly with tiny models.
 """
 
+import html
 import json
+import math
 import os
 import queue
 import threading
@@ -31,6 +33,7 @@ OUTPUT_NAMES = (
     "speedup",
     "new_tokens",
     "verify_steps",
+    "tree",
 )
 
 
@@ -42,6 +45,8 @@ class Limits:
     max_prompt_tokens: int = 512
     max_new_tokens: int = 256
     max_draft_tokens: int = 10
+    max_draft_topk: int = 8
+    max_tree_size: int = 64
     max_temperature: float = 2.0
     max_queue: int = 20
 
@@ -142,13 +147,24 @@ class OspreySpace:
         return gr.Dropdown(choices=names, value=names[0])
 
     def generate(
-        self, prompt, target_name, drafter_name, num_draft_tokens, temperature, max_new_tokens, confidence_threshold=0.0
+        self,
+        prompt,
+        target_name,
+        drafter_name,
+        num_draft_tokens,
+        temperature,
+        max_new_tokens,
+        confidence_threshold=0.0,
+        draft_topk=1,
+        tree_size=None,
     ):
-        """Streams the outputs in `OUTPUT_NAMES` order: Osprey's run step by step, then the target alone. The
-        statistics are strings, blank until known, as a Number box would show a misleading 0."""
+        """Streams the outputs in `OUTPUT_NAMES` order: Osprey's run step by step (with the last verified draft tree
+        when drafting trees, `draft_topk` > 1), then the target alone. The statistics are strings, blank until known,
+        as a Number box would show a misleading 0."""
         num_draft_tokens, max_new_tokens, temperature = int(num_draft_tokens), int(max_new_tokens), float(temperature)
-        confidence_threshold = float(confidence_threshold)
-        self._check_settings(num_draft_tokens, temperature, max_new_tokens, confidence_threshold)
+        confidence_threshold, draft_topk = float(confidence_threshold), int(draft_topk)
+        tree_size = int(tree_size) if tree_size else num_draft_tokens * draft_topk
+        self._check_settings(num_draft_tokens, temperature, max_new_tokens, confidence_threshold, draft_topk, tree_size)
         target, tokenizer, drafter = self._checked(self.catalog.load, target_name, drafter_name)
         request = _Request(
             target,
@@ -160,6 +176,8 @@ class OspreySpace:
             temperature,
             max_new_tokens,
             self.catalog.lock(target_name),
+            draft_topk,
+            tree_size,
         )
         if (target_name, drafter_name) not in self._warm_pairs:  # one-off first-call costs would skew the speedup
             try:
@@ -167,7 +185,7 @@ class OspreySpace:
             except Exception as error:
                 raise _generation_error(error) from error
             self._warm_pairs.add((target_name, drafter_name))
-        osprey, stats = yield from _stream_osprey(request)
+        osprey, stats, tree = yield from _stream_osprey(request)
         target_only, target_rate = None, None
         for target_only, target_rate in _stream_target_only(request, stats.new_tokens):
             yield _row(
@@ -179,6 +197,7 @@ class OspreySpace:
                 None,
                 stats.new_tokens,
                 stats.verify_steps,
+                tree=tree,
             )
         speedup = stats.tokens_per_s / target_rate
         yield _row(
@@ -190,6 +209,7 @@ class OspreySpace:
             speedup,
             stats.new_tokens,
             stats.verify_steps,
+            tree=tree,
         )
 
     def benchmark_view(self):
@@ -206,11 +226,21 @@ class OspreySpace:
         return frame, "\n\n".join(notes)
 
     def _check_settings(
-        self, num_draft_tokens: int, temperature: float, max_new_tokens: int, confidence_threshold: float
+        self,
+        num_draft_tokens: int,
+        temperature: float,
+        max_new_tokens: int,
+        confidence_threshold: float,
+        draft_topk: int = 1,
+        tree_size: int = 1,
     ) -> None:
         limits = self.limits
+        if draft_topk > 1 and confidence_threshold > 0:
+            raise gr.Error("Early stop ends chains; a tree (branching > 1) is pruned by its size instead. Set one.")
         for name, value, low, high in [
             ("Draft length", num_draft_tokens, 1, limits.max_draft_tokens),
+            ("Branching", draft_topk, 1, limits.max_draft_topk),
+            ("Tree size", tree_size, 1, limits.max_tree_size),
             ("Early stop", confidence_threshold, 0, 1),
             ("Temperature", temperature, 0, limits.max_temperature),
             ("Max new tokens", max_new_tokens, 1, limits.max_new_tokens),
@@ -254,6 +284,8 @@ class _Request:
     temperature: float
     max_new_tokens: int
     lock: threading.Lock
+    draft_topk: int = 1
+    tree_size: int | None = None
 
     @property
     def sampling(self) -> dict:
@@ -280,16 +312,21 @@ def _stream_osprey(request: _Request):
             max_new_tokens=request.max_new_tokens,
             num_draft_tokens=request.num_draft_tokens,
             confidence_threshold=request.confidence_threshold,
+            draft_topk=request.draft_topk,
+            tree_size=request.tree_size,
             eos_token_id=target.generation_config.eos_token_id,
             generator=generator,
-            on_tokens=lambda *event: emit(event),
+            on_tokens=lambda tokens, accepted: emit((tokens, None, None)) if accepted is None else None,
+            on_step=lambda step: emit((step.emitted, step.accepted, step)),
             **request.sampling,
         ),
         request.lock,
     )
-    text, decided, steps = SegmentedText(request.tokenizer), 0, 0
-    for tokens, accepted in _reporting_errors(job):
+    text, decided, steps, tree = SegmentedText(request.tokenizer), 0, 0, ""
+    for tokens, accepted, step in _reporting_errors(job):
         tokens = tokens[0].tolist()
+        if step is not None and step.tree is not None:
+            tree = tree_html(request.tokenizer, step)
         if accepted is None:  # the prefill's token
             text.add(tokens, TARGET)
         else:
@@ -299,9 +336,31 @@ def _stream_osprey(request: _Request):
         new_tokens = len(text.token_ids)
         rate = new_tokens / (time.perf_counter() - start)
         tau = decided / steps if steps else None
-        yield _row(list(text.segments), "", tau, rate, None, None, new_tokens, steps)
+        yield _row(list(text.segments), "", tau, rate, None, None, new_tokens, steps, tree=tree)
     text.add([], TARGET, final=True)
-    return text.segments, job.result[1]
+    return text.segments, job.result[1], tree
+
+
+def tree_html(tokenizer, step) -> str:
+    """The draft tree a verification step verified, as nested lists, each node's token with its draft probability
+    (along the path); the accepted path is marked (green, bold) and the target's own next token follows it."""
+    tree, accepted = step.tree, set(step.accepted_nodes)
+
+    def node_html(node: int) -> str:
+        token = html.escape(repr(tokenizer.decode([int(tree.tokens[node])]))[1:-1]) or "&nbsp;"
+        style = "color:#047857;font-weight:bold" if node in accepted else "color:#6b7280"
+        probability = math.exp(tree.cumulative_log_probs[node])
+        children = "".join(node_html(child) for child in tree.children(node))
+        label = f'<span style="{style}"><code>{token}</code> {probability:.2f}</span>'
+        return f"<li>{label}{f'<ul>{children}</ul>' if children else ''}</li>"
+
+    own = step.emitted[0, step.accepted :].tolist()
+    own_text = html.escape(repr(tokenizer.decode(own))[1:-1]) if own else "(cut at eos / length)"
+    return (
+        f"<p>Last step: {len(step.accepted_nodes)} of {tree.num_nodes} draft nodes accepted (depth {tree.depth}); "
+        f"then the target's own token <code>{own_text}</code>.</p>"
+        f"<ul>{''.join(node_html(child) for child in tree.children(-1))}</ul>"
+    )
 
 
 def _stream_target_only(request: _Request, num_tokens: int):
@@ -347,10 +406,10 @@ def _timed(function, *args, **kwargs):
     return function(*args, **kwargs), time.perf_counter() - start
 
 
-def _row(osprey, target_only, *numbers) -> tuple:
+def _row(osprey, target_only, *numbers, tree: str = "") -> tuple:
     """One update of the outputs in `OUTPUT_NAMES` order; numbers as shown, blank while not known yet."""
     shown = ["" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value) for value in numbers]
-    return osprey, target_only, *shown
+    return osprey, target_only, *shown, tree
 
 
 def default_results_dir() -> Path:

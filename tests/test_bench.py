@@ -14,6 +14,7 @@ from osprey.bench import (
     BenchMethod,
     BenchSettings,
     ForwardRecorder,
+    expand_drafter_methods,
     parse_method_specs,
     run_benchmark,
     steps_from_target_calls,
@@ -377,3 +378,40 @@ def test_replication_ratios_join_another_bench_only_when_both_decoded_alike():
         ratios.with_drafters_from(bench("osprey", 1.5, "t"), bench("ablation", 1.2, "other"))
     with pytest.raises(ValueError, match="identical settings"):
         ratios.with_drafters_from(bench("osprey", 1.5, "t"), {**bench("ablation", 1.2, "t"), "settings": {}})
+
+
+def test_hf_route_and_tree_methods_reproduce_the_target_and_accept_drafts(models):
+    """The user's route, `target.generate(assistant_model=drafter)`, measured by the target's forward count: a
+    near-copy drafter must get most drafts accepted there (it would not if transformers stopped feeding it the
+    target's features); and trees drafted by the same drafter decode the same text."""
+    target, drafter, _, tokenizer = models
+    methods = [
+        BenchMethod("target", "target"),
+        BenchMethod("osprey-hf", "hf:near-copy", drafter=drafter, route="hf"),
+        BenchMethod("osprey-tree", "drafter-tree:near-copy", drafter=drafter, tree=True),
+    ]
+    settings = BenchSettings(max_new_tokens=16, draft_topk=3, tree_size=8)
+    results = run_benchmark(target, tokenizer, methods, PROMPTS, settings, warmup=False, progress=False)
+    records = {r["method"]: r for r in results["records"] if r["category"] == "overall"}
+    assert records["osprey-hf"]["tau"] > 1.5 and records["osprey-tree"]["tau"] > 1.5
+    assert all(record["same_output_as_target"] == 1 for record in records.values())
+    assert all(not layer._forward_hooks for layer in target.model.layers), "the hf route must detach its hooks"
+    tree_rows = [row for row in results["requests"] if row["method"] == "osprey-tree"]
+    assert all(1 <= verified <= 8 for row in tree_rows for verified in row["verified_per_step"][:-1])
+    assert results["settings"]["draft_topk"] == 3 and results["settings"]["tree_size"] == 8
+
+
+def test_drafters_expand_into_routes_and_trees():
+    pairs = [("osprey", "drafter:d"), ("pld", "pld:3")]
+    assert expand_drafter_methods(pairs, ["standalone", "hf", "custom"], trees=True) == [
+        ("osprey", "drafter:d"),
+        ("osprey-tree", "drafter-tree:d"),
+        ("osprey-hf", "hf:d"),
+        ("osprey-custom", "custom:d"),
+        ("osprey-custom-tree", "custom-tree:d"),
+        ("pld", "pld:3"),
+    ]
+    with pytest.raises(ValueError, match="Unknown route"):
+        expand_drafter_methods(pairs, ["vllm"], trees=False)
+    with pytest.raises(ValueError, match="verifies chains only"):
+        BenchMethod("x", "hf:d", drafter=None, route="hf", tree=True)

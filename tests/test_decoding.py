@@ -400,3 +400,157 @@ def test_zero_confidence_threshold_drafts_full_chains(monkeypatch):
     speculative_generate(target, drafter, prompt(9, 1), max_new_tokens=60)
     assert all(len(probabilities) == budget for probabilities, budget in chains)
     assert min(min(probabilities) for probabilities, _ in chains) < 0.08  # unsure drafts were there to stop at
+
+
+# --- draft trees -----------------------------------------------------------------------------------------------------
+
+TREES = [(2, 4), (3, 10), (4, 24)]  # (draft_topk, tree_size)
+
+
+@pytest.mark.parametrize("arch", TINY_TARGET_ARCHS)
+@pytest.mark.parametrize("drafter_kind", ["random", "near_copy"])
+def test_greedy_tree_decoding_equals_plain_generate(arch, drafter_kind):
+    if drafter_kind == "random":
+        target = make_tiny_target(arch)
+        drafter = random_drafter(target)
+    else:
+        target, drafter = near_copy_pair(arch)
+    for (length, seed, max_new_tokens), (topk, size) in zip(CASES, TREES):
+        input_ids = prompt(length, seed)
+        output, stats = speculative_generate(
+            target, drafter, input_ids, max_new_tokens=max_new_tokens, draft_topk=topk, tree_size=size
+        )
+        assert torch.equal(output, plain_greedy(target, input_ids, max_new_tokens))
+        assert all(verified <= size for verified in stats.verified_per_step)
+    if drafter_kind == "near_copy":
+        assert stats.tau > 1.5 and min(stats.accepted_per_step) < 5, "both acceptance and rollback should run"
+
+
+def test_tree_decoding_on_a_target_mixing_sliding_and_full_layers():
+    """Qwen2 with sliding windows on its first layers: the tree masks go per layer type, the window cuts ancestors."""
+    target = make_tiny_target("qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=4)
+    assert set(target.config.layer_types) == {"sliding_attention", "full_attention"}
+    drafter = random_drafter(target)
+    input_ids = prompt(9, 1)
+    output, _ = speculative_generate(target, drafter, input_ids, max_new_tokens=30, draft_topk=3, tree_size=12)
+    assert torch.equal(output, plain_greedy(target, input_ids, 30))
+
+
+@pytest.mark.parametrize("max_new_tokens", range(1, 14))
+def test_max_new_tokens_inside_a_tree_cuts_exactly(max_new_tokens):
+    target, drafter = near_copy_pair("llama")
+    input_ids = prompt(9, 1)
+    output, stats = speculative_generate(
+        target, drafter, input_ids, max_new_tokens=max_new_tokens, draft_topk=3, tree_size=12
+    )
+    assert torch.equal(output, plain_greedy(target, input_ids, max_new_tokens))
+    assert stats.new_tokens == max_new_tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_eos_inside_a_tree_stops_exactly_like_plain_generate(arch):
+    target, drafter = near_copy_pair(arch)
+    input_ids = prompt(6, 3)
+    reference = plain_greedy(target, input_ids, 40)[0, 6:].tolist()
+    for stop_index in (3, 11):
+        eos = reference[stop_index]
+        if eos in reference[:stop_index]:
+            continue
+        expected = plain_greedy(target, input_ids, 40, eos_token_id=eos)
+        output, _ = speculative_generate(
+            target, drafter, input_ids, max_new_tokens=40, eos_token_id=eos, draft_topk=3, tree_size=12
+        )
+        assert torch.equal(output, expected)
+
+
+def test_tree_with_a_reduced_draft_vocabulary():
+    target, drafter = near_copy_pair("llama")
+    reduced = random_drafter(target, hidden_size=64, draft_vocab_size=128)
+    keep = torch.randperm(256, generator=torch.Generator().manual_seed(0))[:128]
+    with torch.no_grad():
+        reduced.load_state_dict(
+            {**drafter.state_dict(), "lm_head.weight": drafter.lm_head.weight[keep], "draft_to_target": keep}
+        )
+    input_ids = prompt(5, 4)
+    output, stats = speculative_generate(target, reduced, input_ids, max_new_tokens=30, draft_topk=3, tree_size=10)
+    assert torch.equal(output, plain_greedy(target, input_ids, 30))
+    assert stats.tau > 1.0  # drafts inside the kept half of the vocabulary do get accepted
+
+
+def test_verified_tree_is_the_most_probable_and_the_accepted_path_is_in_it():
+    target, drafter = near_copy_pair("qwen3")
+    steps = []
+    speculative_generate(
+        target, drafter, prompt(9, 1), max_new_tokens=30, draft_topk=3, tree_size=7, on_step=steps.append
+    )
+    assert all(step.tree is not None for step in steps[:-1])  # the last may have room for the target's token only
+    for step in filter(lambda step: step.tree is not None, steps):
+        tree = step.tree
+        assert tree.num_nodes <= 7 and tree.depth <= 5
+        for node, parent in enumerate(tree.parents):  # parents first, and no child more probable than its parent
+            assert parent < node
+            if parent >= 0:
+                assert tree.cumulative_log_probs[node] <= tree.cumulative_log_probs[parent]
+        assert step.accepted_nodes == tree.path(step.accepted_nodes[-1]) if step.accepted_nodes else True
+        assert torch.equal(step.emitted[0, : step.accepted], tree.tokens[step.accepted_nodes])
+
+
+def misreport_tree_proposals(monkeypatch):
+    """The failing control for trees: verification is told the top-k children were sampled (without replacement)
+    from the drafter's q, as if they were random draws, so it accepts them with the wrong ratio."""
+
+    def as_if_sampled(tree, node, earlier_siblings):
+        q = tree.draft_scores[node].softmax(dim=-1).clone()
+        q[tree.tokens[earlier_siblings]] = 0
+        return q / q.sum()
+
+    monkeypatch.setattr(generation_osprey.DraftTree, "proposal", as_if_sampled)
+
+
+@pytest.mark.parametrize("honest", [True, False], ids=["honest", "misreported_proposal_control"])
+def test_tree_speculative_sampling_matches_the_target_distribution(sampling_pair, honest, monkeypatch):
+    target, drafter = sampling_pair
+    if not honest:
+        misreport_tree_proposals(monkeypatch)
+    input_ids, temperature = torch.tensor([[3, 7, 5]]), 1.5
+    torch.manual_seed(4321)
+
+    def generate_once():
+        output, _ = speculative_generate(
+            target,
+            drafter,
+            input_ids,
+            max_new_tokens=3,
+            do_sample=True,
+            temperature=temperature,
+            draft_topk=3,
+            tree_size=6,
+        )
+        return output[0, input_ids.shape[1] + 1]
+
+    counts = second_token_counts(generate_once, SAMPLES, target.config.vocab_size)
+    pvalue = chi_square_pvalue(counts, exact_second_token_distribution(target, input_ids, temperature))
+    if honest:
+        assert pvalue > 1e-3, f"tree speculative sampling is biased (p={pvalue:.2e})"
+    else:
+        assert pvalue < 1e-6, f"the control was not caught (p={pvalue:.2e}): the test has no power"
+
+
+def test_bad_tree_settings_are_refused():
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target)
+    with pytest.raises(ValueError, match="draft_topk must be >= 1"):
+        speculative_generate(target, drafter, prompt(4, 0), max_new_tokens=5, draft_topk=0)
+    with pytest.raises(ValueError, match="tree_size must be >= 1"):
+        speculative_generate(target, drafter, prompt(4, 0), max_new_tokens=5, draft_topk=2, tree_size=0)
+    with pytest.raises(ValueError, match="Pass one of the two"):
+        speculative_generate(target, drafter, prompt(4, 0), draft_topk=2, confidence_threshold=0.3)
+
+
+def test_assisted_generate_refuses_a_tree_setting():
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target)
+    drafter.generation_config.draft_topk = 3
+    drafter.attach_target(target)
+    with pytest.raises(ValueError, match="verifies chains"):
+        assisted_greedy(target, drafter, prompt(4, 0), 5)

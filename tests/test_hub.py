@@ -26,7 +26,17 @@ from osprey.hub import push_drafter
 from osprey.model_card import TAGS, ZOO_HUB_IDS, drafter_card, hub_model_id
 
 TARGET_ID = "acme/tiny-gemma"
-REMOTE_CODE = {"configuration_osprey.py", "modeling_osprey.py", "generation_osprey.py", "target_features.py"}
+REMOTE_CODE = {
+    "configuration_osprey.py",
+    "modeling_osprey.py",
+    "generation_osprey.py",
+    "target_features.py",
+    "decoding_osprey.py",
+    "custom_generate/generate.py",
+    "custom_generate/decoding_osprey.py",
+    "custom_generate/generation_osprey.py",
+    "custom_generate/target_features.py",
+}
 # What a distillation run leaves beside the weights and must stay local (pickles, checkpoints, the user's notes).
 LOCAL_ONLY = {"training_args.bin", "checkpoint-3/optimizer.pt", "checkpoint-3/trainer_state.json"}
 
@@ -142,7 +152,8 @@ def assert_card_describes_the_drafter(card: ModelCard, bench_path, repo_id: str)
         )
     }
     assert f'AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True' in card.text
-    assert "drafter.attach_target(target)" in card.text and "assistant_model=drafter" in card.text
+    assert "with drafter.attached(target):" in card.text and "assistant_model=drafter" in card.text
+    assert f'custom_generate="{repo_id}", trust_remote_code=True' in card.text
     assert f"`target_name_or_path: {TARGET_ID}`" in card.text  # the target the drafter records (from its config)
 
 

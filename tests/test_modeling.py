@@ -305,6 +305,8 @@ def test_save_writes_auto_map_and_remote_code(tmp_path):
     }
     remote_code = {"modeling_osprey.py", "configuration_osprey.py", "generation_osprey.py", "target_features.py"}
     assert remote_code | {"model.safetensors", "generation_config.json"} <= set(os.listdir(tmp_path))
+    loop = {"generate.py", "decoding_osprey.py", "generation_osprey.py", "target_features.py"}  # custom_generate
+    assert loop <= set(os.listdir(tmp_path / "custom_generate"))
 
 
 REMOTE_LOAD_SCRIPT = textwrap.dedent(

@@ -219,21 +219,23 @@ def test_served_app_through_gradio_client(space, tiny_models):
     demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True)
     try:
         client = Client(demo.local_url, verbose=False)
-        osprey, target_only, tau, _, _, speedup, new_tokens, steps = client.predict(
-            PROMPT, "tiny-llama", "near-copy", 4, 0, MAX_NEW_TOKENS, 0.0, api_name="/generate"
+        osprey, target_only, tau, _, _, speedup, new_tokens, steps, tree = client.predict(
+            PROMPT, "tiny-llama", "near-copy", 4, 0, MAX_NEW_TOKENS, 0.0, 1, 4, api_name="/generate"
         )
         assert "".join(part["token"] for part in osprey) == target_only
         assert target_only == plain_greedy_text(target, tokenizer, MAX_NEW_TOKENS)
         assert {part["class_or_confidence"] for part in osprey} == {ACCEPTED, TARGET}
         assert new_tokens == str(MAX_NEW_TOKENS) and tau == f"{(MAX_NEW_TOKENS - 1) / int(steps):.2f}"
-        assert float(speedup) > 0
+        assert float(speedup) > 0 and tree == ""
+        *_, tree = client.predict(PROMPT, "tiny-llama", "near-copy", 4, 0, 12, 0.0, 3, 9, api_name="/generate")
+        assert tree.startswith("<p>Last step:")
 
         for arguments, message in [
             ((PROMPT, "/etc/passwd", "near-copy"), "/etc/passwd"),
             (("x" * 201, "tiny-llama", "near-copy"), "at most 200"),
         ]:
             with pytest.raises(Exception, match=message) as refusal:
-                client.predict(*arguments, 4, 0, 8, 0.0, api_name="/generate")
+                client.predict(*arguments, 4, 0, 8, 0.0, 1, 4, api_name="/generate")
             assert "Traceback" not in str(refusal.value)
     finally:
         demo.close()
@@ -246,3 +248,26 @@ def test_prefilled_page_opens_on_a_finished_run(space):
     osprey_text = "".join(part["token"] for part in values["Osprey: target + drafter"])
     assert values["Prompt"] == PROMPT and values["New tokens"] == "8"
     assert osprey_text == values["Target only"] != ""
+
+
+def test_tree_drafting_shows_the_verified_tree_with_the_accepted_path(space, tiny_models):
+    target, tokenizer, _ = tiny_models
+    rows = [
+        dict(zip(OUTPUT_NAMES, row)) for row in space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 40, 0.0, 3, 9)
+    ]
+    final = rows[-1]
+    assert "".join(text for text, _ in final["osprey"]) == plain_greedy_text(target, tokenizer, MAX_NEW_TOKENS)
+    tree = final["tree"]
+    assert tree.startswith("<p>Last step:") and tree.count("<li>") <= 9 and "<ul>" in tree
+    shown = [row["tree"] for row in rows if row["tree"]]
+    assert len(set(shown)) > 2, "the tree view follows the steps"
+    assert any("font-weight:bold" in view for view in shown), "some step accepted a draft node, shown highlighted"
+    chain_rows = [dict(zip(OUTPUT_NAMES, row)) for row in space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 20)]
+    assert chain_rows[-1]["tree"] == ""  # chains have no tree to show
+
+
+def test_tree_settings_are_bounded(space):
+    with pytest.raises(gr.Error, match="Branching must be between 1 and"):
+        next(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 8, 0.0, 99, 9))
+    with pytest.raises(gr.Error, match="Set one"):
+        next(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 8, 0.3, 3, 9))
