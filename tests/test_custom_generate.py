@@ -242,7 +242,7 @@ def test_custom_generate_refuses_batches_and_a_drafter_for_another_target(tmp_pa
     route = dict(custom_generate=str(tmp_path), trust_remote_code=True, max_new_tokens=5, pad_token_id=0)
     with pytest.raises(ValueError, match="one sequence at a time"):
         target.generate(torch.cat([prompt(4, 0), prompt(4, 1)]), assistant_model=drafter, **route)
-    with pytest.raises(ValueError, match="hidden_size 64 != drafter's 48"):
+    with pytest.raises(ValueError, match=r"hidden_size 64 \(the drafter's: 48\)"):
         target.generate(prompt(4, 0), assistant_model=random_drafter(target, target_hidden_size=48), **route)
     with pytest.raises(ValueError, match="assistant_model=drafter"):
         target.generate(prompt(4, 0), **route)
