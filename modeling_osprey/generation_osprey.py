@@ -223,7 +223,7 @@ def draft_tree(
         hidden_slot = {node: frontier.index(parents[node]) for node in new_nodes}
         expandable = [node for node in new_nodes if tokens[node] not in eos]
         expandable = sorted(expandable, key=lambda node: -cumulative[node])[:topk]
-        if level == depth or not expandable:
+        if level == depth or not expandable or not _can_enter(cumulative[expandable[0]], cumulative, tree_size):
             break
         past_length = state.cache.get_seq_length()
         mask = torch.zeros(1, 1, len(expandable), past_length + len(expandable), dtype=torch.bool, device=device)
@@ -260,6 +260,15 @@ def _path(parents: list[int], node: int) -> list[int]:
         path.append(node)
         node = parents[node]
     return path[::-1]
+
+
+def _can_enter(best_frontier_score: float, cumulative_log_probs: list[float], size: int) -> bool:
+    """Whether a child of the best frontier node could still be among the `size` most probable nodes: children score
+    at most their parent and lose ties to the nodes created before them, so once the frontier's best is no better than
+    the `size`-th best node so far, deeper levels cannot change the tree (and their drafter steps are saved)."""
+    if len(cumulative_log_probs) < size:
+        return True
+    return best_frontier_score > sorted(cumulative_log_probs, reverse=True)[size - 1]
 
 
 def _most_probable_closed_subtree(cumulative_log_probs: list[float], size: int) -> list[int]:

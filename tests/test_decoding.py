@@ -554,3 +554,23 @@ def test_assisted_generate_refuses_a_tree_setting():
     drafter.attach_target(target)
     with pytest.raises(ValueError, match="verifies chains"):
         assisted_greedy(target, drafter, prompt(4, 0), 5)
+
+
+def test_levels_that_cannot_enter_the_tree_are_not_drafted(monkeypatch):
+    """Once no child of the level's best node could rank among the tree_size most probable, drafting stops: the same
+    trees, fewer drafter steps."""
+    target, drafter = near_copy_pair("llama")
+
+    def run():
+        steps, calls = [], []
+        handle = drafter.register_forward_pre_hook(lambda module, args: calls.append(1))
+        speculative_generate(
+            target, drafter, prompt(9, 1), max_new_tokens=40, draft_topk=3, tree_size=4, on_step=steps.append
+        )
+        handle.remove()
+        return [(step.tree.tokens.tolist(), step.tree.parents) for step in steps if step.tree is not None], len(calls)
+
+    pruned_trees, pruned_calls = run()
+    monkeypatch.setattr(generation_osprey, "_can_enter", lambda *args: True)
+    full_trees, full_calls = run()
+    assert pruned_trees == full_trees and pruned_calls < full_calls

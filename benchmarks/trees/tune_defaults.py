@@ -6,7 +6,7 @@ interleaved per prompt (greedy, so every output must equal the target's); the sh
 is recorded as `chosen` in the results JSON.
 
     python benchmarks/trees/tune_defaults.py --target smollm2-135m-instruct \
-        --output benchmarks/results/tree-defaults-smollm2.json
+        --output benchmarks/results/tree-defaults/smollm2.json
 """
 
 import argparse
