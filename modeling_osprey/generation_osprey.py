@@ -392,8 +392,10 @@ class OspreyAssistantMixin:
         """
         if self._target_capture is None:
             raise ValueError(
-                "The Osprey drafter reads the target's hidden states: call `drafter.attach_target(target)` before "
-                "`target.generate(..., assistant_model=drafter)`."
+                "The Osprey drafter reads the target's hidden states: run `target.generate(..., "
+                "assistant_model=drafter)` inside `with drafter.attached(target):` (or call "
+                "`drafter.attach_target(target)` first), or pass `custom_generate=DRAFTER_DIR, "
+                "trust_remote_code=True`, which attaches by itself."
             )
         if input_ids.shape[0] != 1:
             raise ValueError(

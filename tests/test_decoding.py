@@ -574,3 +574,17 @@ def test_levels_that_cannot_enter_the_tree_are_not_drafted(monkeypatch):
     monkeypatch.setattr(generation_osprey, "_can_enter", lambda *args: True)
     full_trees, full_calls = run()
     assert pruned_trees == full_trees and pruned_calls < full_calls
+
+
+def test_attached_hooks_the_target_inside_the_block_only_even_on_error():
+    target, drafter = near_copy_pair("llama")
+    input_ids = prompt(9, 1)
+    with drafter.attached(target) as attached:
+        assert attached is drafter and sum(len(layer._forward_hooks) for layer in target.model.layers) == 3
+        assert torch.equal(assisted_greedy(target, drafter, input_ids, 20), plain_greedy(target, input_ids, 20))
+    assert all(not layer._forward_hooks for layer in target.model.layers)
+    with pytest.raises(RuntimeError, match="inside"), drafter.attached(target):
+        raise RuntimeError("inside")
+    assert all(not layer._forward_hooks for layer in target.model.layers)
+    with pytest.raises(ValueError, match="attach_target"):  # detached again: the route says how to attach
+        assisted_greedy(target, drafter, input_ids, 5)
