@@ -16,14 +16,17 @@ from pathlib import Path
 import torch
 
 from osprey.bench import BenchMethod, BenchSettings, run_benchmark
-from osprey.demo import DEMO_DRAFTER_DIR, DEMO_PROMPTS, load_compact_drafter
+from osprey.demo import DEMO_DRAFTER_DIR, DEMO_PROMPTS
+from osprey.pack import load_drafter
 from osprey.zoo import load_causal_lm, load_tokenizer
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--drafter", default=str(DEMO_DRAFTER_DIR), help="compact drafter directory (osprey demo's)")
+    parser.add_argument(
+        "--drafter", default=str(DEMO_DRAFTER_DIR), help="drafter directory, packed or not (default: osprey demo's)"
+    )
     parser.add_argument("--draft-topk", default="2,3", help="comma-separated grid")
     parser.add_argument("--tree-size", default="4,6,8,12", help="comma-separated grid")
     parser.add_argument("--num-draft-tokens", type=int, default=5, help="tree depth and chain length")
@@ -32,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
 
     target, tokenizer = load_causal_lm(args.target, dtype=torch.float32).eval(), load_tokenizer(args.target)
-    drafter = load_compact_drafter(args.drafter)
+    drafter = load_drafter(args.drafter)
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens)
     shapes = [(int(k), int(n)) for k in args.draft_topk.split(",") for n in args.tree_size.split(",")]
     methods = [BenchMethod("target", "target"), BenchMethod("chain", f"drafter:{args.drafter}", drafter=drafter)] + [
