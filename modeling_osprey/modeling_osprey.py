@@ -97,13 +97,105 @@ class OspreyAttention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
-        attn_output = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, enable_gqa=self.num_heads != self.num_key_value_heads
-        )
+        if isinstance(cache, OspreyTTTCache):
+            attn_output = cache.attend(self.layer_idx, query, key, value)
+        else:
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx)
+            attn_output = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attention_mask, enable_gqa=self.num_heads != self.num_key_value_heads
+            )
         attn_output = attn_output.transpose(1, 2).reshape(batch_size, seq_len, -1)
         return self.o_proj(attn_output)
+
+
+class OspreyTTTCache:
+    """The drafter's keys and values during a training-time-test unroll, which its attention reads without a mask.
+
+    The first forward (TTT step 0) runs every position `t` over the target's features; its keys are attended causally.
+    Each later forward (step `k`) adds one key per position that only the same position's later queries attend to:
+    a step-`k` query at `t` sees the step-0 keys at positions `<= t` and the keys of steps `1..k` at `t`, exactly the
+    cache of a chain drafted after verified position `t`. Step `k` therefore costs a causal attention plus `k`
+    per-position dot products (O(T·k) beyond the causal part), where one dense mask over all `T·(k + 1)` keys would
+    cost O(T²·k). Pass it as `cache` with explicit `position_ids`; it is not a generation cache.
+    """
+
+    def __init__(self):
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor, list, list]] = {}
+
+    def attend(self, layer_idx: int, query, key, value) -> torch.Tensor:
+        """Attention output `(batch, heads, seq, head_dim)` of `query` after appending this step's `key`/`value`."""
+        groups = query.shape[1] // key.shape[1]
+        # The projections' dtype (under autocast RoPE may have promoted query and key to float32).
+        query, key = query.to(value.dtype), key.to(value.dtype)
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        if layer_idx not in self._layers:
+            self._layers[layer_idx] = (key, value, [], [])
+            return F.scaled_dot_product_attention(query, key, value, is_causal=True)
+        prefix_key, prefix_value, chain_keys, chain_values = self._layers[layer_idx]
+        chain_keys.append(key)
+        chain_values.append(value)
+        return chain_attention(query, prefix_key, prefix_value, torch.stack(chain_keys, 3), torch.stack(chain_values, 3))
+
+
+def chain_attention(query, prefix_key, prefix_value, chain_keys, chain_values) -> torch.Tensor:
+    """One softmax per query `t` over the prefix keys `<= t` (causal) and its own `chain_keys[..., t, :, :]`.
+
+    Shapes: query and prefix `(batch, heads, seq, head_dim)`, chain `(batch, heads, seq, steps, head_dim)`. The causal
+    part is a fused attention kernel whose log-sum-exp is merged with the chain scores' (on CPU; elsewhere the causal
+    scores are materialised once, still without the `steps * seq` masked-out keys of a dense mask).
+    """
+    if query.device.type == "cpu":
+        return _ChainAttention.apply(query, prefix_key, prefix_value, chain_keys, chain_values)
+    scale = query.shape[-1] ** -0.5
+    seq_len = query.shape[2]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=query.device).tril()
+    prefix_scores = (query @ prefix_key.transpose(-1, -2)).float().masked_fill(~causal, float("-inf"))
+    chain_scores = torch.einsum("bhtd,bhtsd->bhts", query, chain_keys).float()
+    probs = torch.cat([prefix_scores, chain_scores], dim=-1).mul(scale).softmax(dim=-1).to(query.dtype)
+    prefix_probs, chain_probs = probs.split([seq_len, chain_keys.shape[3]], dim=-1)
+    return prefix_probs @ prefix_value + torch.einsum("bhts,bhtsd->bhtd", chain_probs, chain_values)
+
+
+class _ChainAttention(torch.autograd.Function):
+    """`chain_attention` on CPU: the causal part by the flash-attention kernel, merged with the chain terms through
+    their log-sum-exps; backward runs the kernel's backward with the merged output and log-sum-exp, which gives the
+    exact gradients of the joint softmax, and adds the chain terms' by hand."""
+
+    @staticmethod
+    def forward(ctx, query, prefix_key, prefix_value, chain_keys, chain_values):
+        scale = query.shape[-1] ** -0.5
+        prefix_out, prefix_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, prefix_key, prefix_value, 0.0, True
+        )
+        chain_scores = torch.einsum("bhtd,bhtsd->bhts", query, chain_keys).float() * scale
+        lse = torch.logaddexp(prefix_lse, chain_scores.logsumexp(dim=-1))
+        chain_probs = (chain_scores - lse[..., None]).exp()
+        out = (prefix_lse - lse).exp()[..., None] * prefix_out.float()
+        out = (out + torch.einsum("bhts,bhtsd->bhtd", chain_probs, chain_values.float())).to(query.dtype)
+        ctx.save_for_backward(query, prefix_key, prefix_value, chain_keys, chain_values, out, lse, chain_probs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, prefix_key, prefix_value, chain_keys, chain_values, out, lse, chain_probs = ctx.saved_tensors
+        scale = query.shape[-1] ** -0.5
+        grad_out = grad_out.contiguous()
+        grad_query, grad_prefix_key, grad_prefix_value = (
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out, query, prefix_key, prefix_value, out, lse, 0.0, True
+            )
+        )
+        grad_out = grad_out.float()
+        delta = (grad_out * out.float()).sum(dim=-1, keepdim=True)
+        grad_chain_values = chain_probs[..., None] * grad_out[..., None, :]
+        grad_scores = chain_probs * (torch.einsum("bhtd,bhtsd->bhts", grad_out, chain_values.float()) - delta) * scale
+        grad_query = grad_query.float() + torch.einsum("bhts,bhtsd->bhtd", grad_scores, chain_keys.float())
+        grad_chain_keys = grad_scores[..., None] * query.float()[..., None, :]
+        return (
+            grad_query.to(query.dtype), grad_prefix_key, grad_prefix_value,
+            grad_chain_keys.to(chain_keys.dtype), grad_chain_values.to(chain_values.dtype),
+        )  # fmt: skip
 
 
 class OspreyMLP(nn.Module):
@@ -269,6 +361,7 @@ class OspreyModel(OspreyPreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
         use_cache: bool | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> OspreyModelOutput:
         r"""
         Args:
@@ -286,20 +379,29 @@ class OspreyModel(OspreyPreTrainedModel):
                 (boolean, True = attend, or additive float) used as is, e.g. for training-time test.
             position_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
                 Defaults to positions following the cached ones.
-            cache (`Cache`, *optional*):
-                The drafter's own KV cache; created when `use_cache=True` and none is given.
+            cache (`Cache` or `OspreyTTTCache`, *optional*):
+                The drafter's own KV cache; created when `use_cache=True` and none is given. An `OspreyTTTCache`
+                (training-time test) replaces the attention mask.
+            inputs_embeds (`torch.Tensor` of shape `(batch_size, sequence_length, hidden_size)`, *optional*):
+                `embed_tokens(input_ids)`, computed by the caller (training-time test embeds the tokens of all its
+                steps at once: one embedding gradient instead of one per step); `input_ids` is still passed.
         """
         features = self._project_features(input_ids, target_hidden_states, draft_hidden_states)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache()
-        past_length = cache.get_seq_length() if cache is not None else 0
         seq_len = input_ids.shape[1]
-        if position_ids is None:
-            position_ids = torch.arange(past_length, past_length + seq_len, device=input_ids.device)[None]
-        hidden_states = self.embed_tokens(input_ids)
+        if isinstance(cache, OspreyTTTCache):  # the cache is the mask (see OspreyTTTCache)
+            if position_ids is None or attention_mask is not None:
+                raise ValueError("With an OspreyTTTCache pass `position_ids` and no `attention_mask`.")
+            mask = None
+        else:
+            past_length = cache.get_seq_length() if cache is not None else 0
+            if position_ids is None:
+                position_ids = torch.arange(past_length, past_length + seq_len, device=input_ids.device)[None]
+            mask = _attention_mask(attention_mask, seq_len, past_length, input_ids.device)
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        mask = _attention_mask(attention_mask, seq_len, past_length, input_ids.device)
         for layer in self.layers:
             hidden_states = layer(hidden_states, features, position_embeddings, mask, cache)
         return OspreyModelOutput(
@@ -410,6 +512,7 @@ class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationM
         cache: Cache | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.BoolTensor = 0,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> OspreyDrafterOutput:
         r"""
         Arguments are those of [`OspreyModel.forward`], plus:
@@ -428,6 +531,7 @@ class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationM
             position_ids=position_ids,
             cache=cache,
             use_cache=use_cache,
+            inputs_embeds=inputs_embeds,
         )
         hidden_states = outputs.last_hidden_state
         if isinstance(logits_to_keep, torch.Tensor):
@@ -441,4 +545,4 @@ class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationM
         )
 
 
-__all__ = ["OspreyForDrafting", "OspreyModel", "OspreyPreTrainedModel"]
+__all__ = ["OspreyForDrafting", "OspreyModel", "OspreyPreTrainedModel", "OspreyTTTCache"]

@@ -26,8 +26,9 @@ from trainers import (
     OspreyPretrainer,
     build_feature_cache,
     load_text_dataset,
+    soft_cross_entropy,
+    token_cross_entropy,
     tokenize_example,
-    ttt_attention_mask,
     ttt_loss,
 )
 from trainers.cli import add_subcommand
@@ -130,6 +131,44 @@ def test_config_defaults_are_cpu_safe(tmp_path):
         OspreyDistillConfig(output_dir=str(tmp_path), activation_checkpointing=True)
 
 
+def ttt_attention_mask(num_positions: int, step: int) -> torch.Tensor:
+    """The dense reference of TTT step `step`'s attention: a boolean `(1, 1, n, n * (step + 1))` mask over the keys of
+    steps `0..step`, step 0's causal and each later step's the diagonal (a query sees its own position's key)."""
+    causal = torch.ones(num_positions, num_positions, dtype=torch.bool).tril()
+    diagonal = torch.eye(num_positions, dtype=torch.bool)
+    return torch.cat([causal] + [diagonal] * step, dim=1)[None, None]
+
+
+def dense_ttt_loss(drafter, input_ids, features, target_logits, target_argmax, loss_mask, num_steps, decay=0.8):
+    """The TTT loss as first written: every step appends its keys to one `DynamicCache` and attends to all of them
+    under `ttt_attention_mask` (O(T^2 k) per step), with the plain soft cross-entropy. `ttt_loss` must equal it."""
+    num_positions = input_ids.shape[1] - 1
+    label_mask = loss_mask[:, 1:].bool()
+    target_probs = target_logits[:, :num_positions][label_mask].float().softmax(dim=-1)
+    label_rows = torch.full(label_mask.shape, -1, dtype=torch.long)
+    label_rows[label_mask] = torch.arange(len(target_probs))
+    cache, hidden_states, loss, step_losses, step_correct = DynamicCache(), None, 0, [], []
+    for step in range(num_steps):
+        num_labelled = num_positions - 1 - step
+        tokens = torch.nn.functional.pad(input_ids[:, 1 + step :], (0, step))
+        labels = slice(1 + step, 1 + step + num_labelled)
+        counted = torch.nn.functional.pad(label_mask[:, labels], (0, num_positions - num_labelled))
+        outputs = drafter(
+            tokens, draft_hidden_states=hidden_states, attention_mask=ttt_attention_mask(num_positions, step),
+            position_ids=torch.arange(num_positions)[None] + step, cache=cache, use_cache=True, logits_to_keep=counted,
+            **({"target_hidden_states": features[:, :num_positions]} if step == 0 else {}),
+        )  # fmt: skip
+        hidden_states = outputs.prenorm_hidden_states
+        rows = label_rows[:, labels][label_mask[:, labels]]
+        step_loss = torch.nn.functional.cross_entropy(outputs.logits.float(), target_probs[rows], reduction="sum")
+        step_loss = step_loss / counted.sum().clamp(min=1)
+        loss = loss + decay**step * step_loss
+        argmax = drafter.draft_to_target[outputs.logits.argmax(dim=-1)]
+        step_correct.append((argmax == target_argmax[:, labels][label_mask[:, labels]]).sum())
+        step_losses.append(step_loss.detach())
+    return loss, torch.stack(step_losses), torch.stack(step_correct)
+
+
 def test_ttt_attention_mask_sees_prefix_then_own_chain():
     mask = ttt_attention_mask(3, step=2)[0, 0].int()
     expected = [[1, 0, 0, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1, 0, 0, 1]]
@@ -209,6 +248,76 @@ def test_ttt_unroll_equals_step_by_step_decoding(draft_vocab_size):
     assert output.step_counts.tolist() == [11, 11, 9, 7]
     output.loss.backward()  # gradients flow through every step, the cache and the fed-back hidden states
     assert drafter.model.fc.weight.grad.abs().sum() > 0
+
+
+DRAFTER_VARIANTS = {
+    "osprey": {},
+    "qwen2-bias-qwen3-qk-norm": {"attention_bias": True, "use_qk_norm": True},
+    "eagle3": {"num_hidden_layers": 1, "residual_stream": "features"},
+    "multi-head": {"num_key_value_heads": 4},
+}
+
+
+@pytest.mark.parametrize("variant", DRAFTER_VARIANTS)
+def test_fast_ttt_loss_and_gradients_equal_the_dense_mask_reference(variant):
+    """The chain attention (causal kernel + per-position chain keys, merged by log-sum-exp) and the chunked soft
+    cross-entropy give the dense-mask unroll's loss, per-step losses, accuracy and parameter gradients, to float32
+    rounding (1e-5 relative / absolute)."""
+    target = make_tiny_target("qwen2")
+    drafter = tiny_drafter(target, draft_vocab_size=200, **DRAFTER_VARIANTS[variant])
+    with torch.no_grad():  # a trained-looking drafter: the fusion half and the feedback path must matter
+        for parameter in drafter.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+        drafter.draft_to_target.copy_(torch.randperm(256, generator=torch.Generator().manual_seed(1))[:200])
+    input_ids = torch.randint(3, 256, (2, 23), generator=torch.Generator().manual_seed(2))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 15:] = 0
+    loss_mask = attention_mask.clone()
+    loss_mask[:, :4] = 0
+    features, draft_logits, argmax = target_signals(target, drafter, input_ids, attention_mask)
+    expected, expected_steps, expected_correct = dense_ttt_loss(
+        drafter, input_ids, features, draft_logits, argmax, loss_mask, num_steps=5
+    )
+    expected_grads = torch.autograd.grad(expected, list(drafter.parameters()))
+    output = ttt_loss(drafter, input_ids, features, draft_logits, argmax, loss_mask, drafter.draft_to_target)
+    grads = torch.autograd.grad(output.loss, list(drafter.parameters()))
+    torch.testing.assert_close(output.loss, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(output.step_losses, expected_steps, rtol=1e-5, atol=1e-5)
+    assert torch.equal(output.step_correct, expected_correct)
+    for (name, _), grad, expected_grad in zip(drafter.named_parameters(), grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert all(grad.abs().sum() > 0 for grad in grads[1:])  # the control: every weight is trained through the unroll
+
+
+def test_fused_token_cross_entropy_equals_the_plain_one():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(70, 33, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 33, (70,), generator=generator)
+    labels[::7] = -100
+    expected = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+    (expected_grad,) = torch.autograd.grad(2 * expected, logits)
+    valid = labels != -100
+    for compile in (False, True):
+        loss, correct = token_cross_entropy(logits, labels, compile=compile, chunk_size=16)
+        torch.testing.assert_close(loss, expected)
+        assert correct == (logits.argmax(-1) == labels)[valid].sum()
+        (grad,) = torch.autograd.grad(2 * loss, logits)
+        torch.testing.assert_close(grad, expected_grad)
+
+
+def test_chunked_soft_cross_entropy_equals_the_plain_one():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(70, 33, generator=generator, requires_grad=True)
+    target_probs = torch.randn(90, 33, generator=generator).softmax(-1)
+    rows = torch.randperm(90, generator=generator)[:70]
+    expected = torch.nn.functional.cross_entropy(logits, target_probs[rows], reduction="sum")
+    (expected_grad,) = torch.autograd.grad(3 * expected, logits)
+    for compile in (False, True):  # eager 16 rows at a time, and the fused kernel
+        loss, argmax = soft_cross_entropy(logits, target_probs, rows, compile=compile, chunk_size=16)
+        torch.testing.assert_close(loss, expected)
+        assert torch.equal(argmax, logits.argmax(-1))
+        (grad,) = torch.autograd.grad(3 * loss, logits)
+        torch.testing.assert_close(grad, expected_grad)
 
 
 def predictable_target():
@@ -314,6 +423,23 @@ def test_chat_examples_train_on_assistant_tokens_only():
     assert everything == {"input_ids": example["input_ids"], "loss_mask": [1] * len(example["input_ids"])}
     plain = tokenize_example({"text": "hello"}, tokenizer, max_length=3)
     assert plain == {"input_ids": tokenizer("hel")["input_ids"], "loss_mask": [1, 1, 1]}
+
+
+def test_a_corpus_is_tokenized_once_per_tokenizer_and_settings(tmp_path, monkeypatch):
+    from trainers import tokenization
+
+    chats = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}] for i in range(6)]
+    Dataset.from_dict({"messages": chats}).to_parquet(str(tmp_path / "chats.parquet"))
+    dataset = load_text_dataset(DatasetArguments(dataset_name=str(tmp_path / "chats.parquet")), cache_dir=tmp_path)
+    first = tokenization.tokenize_dataset(dataset["train"], char_tokenizer(), max_length=64)
+    calls = []
+    stub = lambda *args, **kwargs: calls.append(1) or {"input_ids": [5], "loss_mask": [0]}  # noqa: E731
+    reloaded = load_text_dataset(DatasetArguments(dataset_name=str(tmp_path / "chats.parquet")), cache_dir=tmp_path)
+    monkeypatch.setattr(tokenization, "tokenize_example", stub)
+    again = tokenization.tokenize_dataset(reloaded["train"], char_tokenizer(), max_length=64)  # a fresh tokenizer
+    assert not calls and again["input_ids"] == first["input_ids"] and again["loss_mask"] == first["loss_mask"]
+    other = tokenization.tokenize_dataset(reloaded["train"], char_tokenizer(), max_length=32)  # other settings
+    assert len(calls) == 6 and len(other) == 0
 
 
 def test_distillation_tokenizes_chats_with_the_target_tokenizer(tmp_path):

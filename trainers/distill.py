@@ -14,16 +14,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, Trainer, TrainingArguments
-from transformers.cache_utils import DynamicCache
 from trl import TrlParser
 
+from modeling_osprey.modeling_osprey import OspreyTTTCache
 from modeling_osprey.target_features import extract_target_features
 from osprey.pack import load_drafter
 from osprey.zoo import load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
 from .devices import load_target, set_device_defaults
-from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset
+from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset, TargetHead, greedy_tokens
+from .losses import soft_cross_entropy, target_distribution
 from .pretrain import resume_argument
 from .tokenization import tokenize_dataset
 
@@ -94,18 +95,6 @@ class OspreyDistillConfig(TrainingArguments):
             raise ValueError(f"ttt_steps must be at least 1, got {self.ttt_steps}.")
 
 
-def ttt_attention_mask(num_positions: int, step: int, device=None) -> torch.Tensor:
-    """Boolean `(1, 1, n, n * (step + 1))` mask of TTT step `step` over the keys of steps `0..step`, True = attend.
-
-    A step-`k` query at position `t` sees the step-0 keys at positions `<= t` (the prefill over real features) and the
-    key of every later step at the same position `t`: exactly the cache a chain drafted after verified position `t`
-    has when it takes its `k`-th step.
-    """
-    causal = torch.ones(num_positions, num_positions, dtype=torch.bool, device=device).tril()
-    diagonal = torch.eye(num_positions, dtype=torch.bool, device=device)
-    return torch.cat([causal] + [diagonal] * step, dim=1)[None, None]
-
-
 @dataclass
 class TTTOutput:
     """Result of [`ttt_loss`]; per-step tensors have one entry per step."""
@@ -142,8 +131,9 @@ def ttt_loss(
     Step `k` (0-based) runs drafter position `t` on token `x_{t+1+k}` at RoPE position `t + k`, reading
     `target_hidden_states=F[t]` at step 0 and, after, `draft_hidden_states` = its own step-`k-1` pre-norm state at `t`.
     Its label is the target distribution `P[t+1+k]`, which predicts `x_{t+2+k}`: it counts where that token exists and
-    has `loss_mask` 1. Each step is one forward over all positions that appends its keys to a shared `DynamicCache`,
-    under `ttt_attention_mask`. The loss is `sum_k decay**k * CE_k`, `CE_k` the soft cross-entropy
+    has `loss_mask` 1. Each step is one forward over all positions that appends its keys to a shared `OspreyTTTCache`,
+    whose attention is the chain's (step-0 keys causally, then one key per later step at the query's own position).
+    The loss is `sum_k decay**k * CE_k`, `CE_k` the soft cross-entropy
     `-sum_v P log q` averaged over step `k`'s counted positions of the batch.
     """
     num_positions = input_ids.shape[1] - 1
@@ -151,11 +141,15 @@ def ttt_loss(
     # label_mask[:, j]: P[j] is a label, i.e. the token x_{j+1} it predicts is one to train on. Distributions and
     # drafter logits are computed at labels only: prompt tokens and padding would be most of the head's work.
     label_mask = loss_mask[:, 1:].bool()
-    target_probs = target_logits[:, :num_positions][label_mask].float().softmax(dim=-1)
+    target_probs = target_distribution(target_logits, F.pad(label_mask, (0, 1)))
     label_rows = torch.full(label_mask.shape, -1, dtype=torch.long, device=device)
     label_rows[label_mask] = torch.arange(len(target_probs), device=device)
     position_ids = torch.arange(num_positions, device=device)[None]
-    cache = DynamicCache()
+    cache = OspreyTTTCache()
+    # The tokens of every step embedded at once (step k reads x_{t+1+k}, padding past the end): one embedding
+    # gradient per batch, not one dense vocabulary-sized gradient per step.
+    padded_ids = F.pad(input_ids, (0, num_steps))
+    embeddings = unwrap(drafter).get_input_embeddings()(padded_ids)
     loss = torch.zeros((), device=device)
     step_losses, step_correct, step_counts, step_logits = [], [], [], []
     hidden_states = None
@@ -168,7 +162,7 @@ def ttt_loss(
             step_counts.append(torch.zeros((), dtype=torch.long, device=device))
             continue
         # Token x_{t+1+step}; positions past the sequence read padding and are never labels.
-        tokens = F.pad(input_ids[:, 1 + step :], (0, step))
+        tokens = padded_ids[:, 1 + step : 1 + step + num_positions]
         features = {"target_hidden_states": target_hidden_states[:, :num_positions]} if step == 0 else {}
         labels = slice(1 + step, 1 + step + num_labelled)
         # Drafter position t is counted where its label P[t+1+step] is one.
@@ -176,20 +170,20 @@ def ttt_loss(
         outputs = drafter(
             tokens,
             draft_hidden_states=hidden_states,
-            attention_mask=ttt_attention_mask(num_positions, step, device),
             position_ids=position_ids + step,
             cache=cache,
             use_cache=True,
             logits_to_keep=counted,
+            inputs_embeds=embeddings[:, 1 + step : 1 + step + num_positions],
             **features,
         )
         hidden_states = outputs.prenorm_hidden_states
         rows = label_rows[:, labels][label_mask[:, labels]]
-        cross_entropy = F.cross_entropy(outputs.logits.float(), target_probs[rows], reduction="sum")
+        cross_entropy, draft_argmax = soft_cross_entropy(outputs.logits, target_probs, rows)
         count = counted.sum()
         step_loss = cross_entropy / count.clamp(min=1)
         loss = loss + decay**step * step_loss
-        correct = draft_to_target[outputs.logits.argmax(dim=-1)] == target_argmax[:, labels][label_mask[:, labels]]
+        correct = draft_to_target[draft_argmax] == target_argmax[:, labels][label_mask[:, labels]]
         step_losses.append(step_loss.detach())
         step_correct.append(correct.sum())
         step_counts.append(count)
@@ -202,6 +196,11 @@ def ttt_loss(
         step_counts=torch.stack(step_counts),
         step_logits=step_logits if return_logits else None,
     )
+
+
+def unwrap(model):
+    """The model inside a DistributedDataParallel (or similar) wrapper."""
+    return getattr(model, "module", model)
 
 
 class DistillDataCollator:
@@ -282,7 +281,12 @@ class OspreyDistillTrainer(Trainer):
         if target_model is not None:
             model.config.check_target(target_model)
             self.target_model = target_model.to(self.args.device).eval().requires_grad_(False)
-        self.target_head = None if self.feature_cache is None else self.feature_cache.target_head().to(self.args.device)
+        self.target_head = None
+        if self.feature_cache is not None:  # restricted once to the draft vocabulary, the only logits distillation uses
+            head = self.feature_cache.target_head()
+            rows = model.draft_to_target.cpu()
+            bias = None if head.bias is None else head.bias[rows]
+            self.target_head = TargetHead(head.weight[rows], bias, head.final_logit_softcapping).to(self.args.device)
         self._metrics = {mode: {"sums": torch.zeros(3, args.ttt_steps), "batches": 0} for mode in ("train", "eval")}
 
     def _set_signature_columns_if_needed(self):
@@ -294,12 +298,12 @@ class OspreyDistillTrainer(Trainer):
         """Tap features, logits over the draft vocabulary and full-vocabulary greedy tokens of the target."""
         draft_to_target = drafter.draft_to_target
         if self.target_head is not None:
-            logits = self.target_head(inputs["target_last_hidden_state"], rows=draft_to_target)
+            logits = self.target_head(inputs["target_last_hidden_state"])
             return inputs["target_hidden_states"], logits, inputs["target_argmax"]
         features, logits = extract_target_features(
             self.target_model, inputs["input_ids"], drafter.config.target_layer_ids, inputs["attention_mask"]
         )
-        return features, logits[..., draft_to_target], logits.argmax(dim=-1)
+        return features, logits[..., draft_to_target], greedy_tokens(logits)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         drafter = self.accelerator.unwrap_model(model)

@@ -115,6 +115,11 @@ def _save_progress(directory: Path, progress: dict) -> None:
     os.replace(directory / f".{PROGRESS_NAME}.partial", directory / PROGRESS_NAME)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.LongTensor:
+    """`logits.argmax(-1)` (the first maximum), about 2x faster on CPU over a large vocabulary."""
+    return logits.max(dim=-1).indices
+
+
 def _check_head(head: TargetHead, hidden_states: torch.Tensor, logits: torch.Tensor) -> None:
     recomputed = head(hidden_states)
     error = (recomputed - logits.float()).abs().max().item()
@@ -188,7 +193,7 @@ def _load_progress(staging: Path, build: dict) -> dict | None:
     return progress if progress.get("build") == build else None
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def _write_cache(target, splits, directory: Path, layer_ids, batch_size, dtype, shard_bytes, progress) -> dict:
     """Writes the head and every split's shards to `directory`, after those `progress` lists; returns the index."""
     head = TargetHead.from_model(target)
@@ -235,7 +240,7 @@ def _write_cache(target, splits, directory: Path, layer_ids, batch_size, dtype, 
                     if not checked:
                         _check_head(head, final_hidden[-1], logits)
                         checked = True
-                    features, hidden, argmax = capture.features, final_hidden[-1], logits.argmax(dim=-1)
+                    features, hidden, argmax = capture.features, final_hidden[-1], greedy_tokens(logits)
                     for row, example in enumerate(batch):
                         length = len(example["input_ids"])
                         writer.add(
@@ -368,8 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     splits = {}
     for split in (args.dataset_train_split, args.dataset_test_split):
         if split in dataset:
+            examples = dataset[split]
+            if args.max_examples is not None and hasattr(examples, "to_iterable_dataset"):
+                examples = examples.to_iterable_dataset()  # tokenize lazily: only what the first examples need
             examples = tokenize_dataset(
-                dataset[split], tokenizer, args.max_length, args.dataset_text_field, args.assistant_only_loss
+                examples, tokenizer, args.max_length, args.dataset_text_field, args.assistant_only_loss
             )
             splits[split] = examples if args.max_examples is None else examples.take(args.max_examples)
     path = build_feature_cache(

@@ -19,6 +19,7 @@ from osprey.zoo import load_causal_lm, load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
 from .devices import set_device_defaults
+from .losses import token_cross_entropy
 
 
 @dataclass
@@ -78,9 +79,10 @@ class OspreyPretrainer(SFTTrainer):
     """[`~trl.SFTTrainer`] with optional self-distillation from the unpruned parent (see [`OspreyPretrainConfig`]).
 
     The loss is the next-token cross-entropy, plus `distill_weight * T**2 * KL(parent || model)` with a parent, both
-    summed over the trained tokens and divided by their number (`SFTTrainer`'s normalisation). It is computed from
-    the full logits: TRL's fused LM head saves memory on large vocabularies but runs about 1.8x slower on CPU, where
-    pruned backbones are often trained. `mean_token_accuracy` is logged, and with a parent `lm_loss` and `distill_kl`.
+    summed over the trained tokens and divided by their number (`SFTTrainer`'s normalisation). Without a parent it is
+    `trainers.losses.token_cross_entropy` over the model's logits (one fused pass writing the gradient; TRL's fused LM
+    head saves memory on large vocabularies but runs about 1.8x slower on CPU, where pruned backbones are often
+    trained). `mean_token_accuracy` is logged, and with a parent `lm_loss` and `distill_kl`.
     """
 
     def __init__(self, model, args: OspreyPretrainConfig | None = None, *, parent_model=None, **kwargs):
@@ -114,13 +116,20 @@ class OspreyPretrainer(SFTTrainer):
         outputs = model(**model_inputs, use_cache=False)
         labels = inputs["labels"][:, 1:]
         mask = labels != -100
-        logits, labels = outputs.logits[:, :-1][mask].float(), labels[mask]
         num_tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
-        num_tokens = torch.as_tensor(num_tokens, device=logits.device).clamp(min=1)
-        lm_loss = F.cross_entropy(logits, labels, reduction="sum") / num_tokens
-        metrics = {"mean_token_accuracy": (logits.argmax(-1) == labels).float().mean()}
-        loss = lm_loss
-        if self.parent_model is not None:
+        num_tokens = torch.as_tensor(num_tokens, device=labels.device).clamp(min=1)
+        logits = outputs.logits[:, :-1]
+        if self.parent_model is None:  # the fused loss: no float32 copy of the logits, gradient written in the forward
+            # Logits of every position (a view, no copy) against the next tokens, the last position ignored.
+            next_tokens = F.pad(labels, (0, 1), value=-100).reshape(-1)
+            loss_sum, correct = token_cross_entropy(outputs.logits.reshape(-1, logits.shape[-1]), next_tokens)
+            lm_loss = loss_sum / num_tokens
+            metrics = {"mean_token_accuracy": correct / mask.sum().clamp(min=1)}
+            loss = lm_loss
+        else:
+            logits, labels = logits[mask].float(), labels[mask]
+            lm_loss = F.cross_entropy(logits, labels, reduction="sum") / num_tokens
+            metrics = {"mean_token_accuracy": (logits.argmax(-1) == labels).float().mean()}
             with torch.no_grad():
                 parent_logits = self.parent_model(**model_inputs, use_cache=False).logits[:, :-1][mask].float()
             temperature = self.args.temperature

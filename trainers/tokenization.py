@@ -10,8 +10,12 @@ generation prompt, and the conversation rendered up to turn `i`. This holds for 
 is checked.
 """
 
+import hashlib
+import json
 from bisect import bisect_right
 from collections.abc import Sequence
+
+from datasets import Dataset
 
 from transformers import PreTrainedTokenizerBase
 
@@ -84,20 +88,40 @@ def tokenize_dataset(
     assistant_only_loss: bool = True,
 ):
     """A `datasets` dataset (streamed or not) of text or chats as `input_ids` / `loss_mask` examples, keeping only
-    those with a training target; an already tokenized dataset is returned as is."""
+    those with a training target; an already tokenized dataset is returned as is.
+
+    A dataset read from files is tokenized once per corpus and tokenizer: the result is cached next to the dataset's
+    own cache files under a fingerprint of the dataset, the tokenizer (vocabulary, merges, chat template), and the
+    settings, and later calls load it instead of tokenizing again (datasets cannot fingerprint a tokenizer object
+    itself reproducibly, so without this every start re-tokenized).
+    """
     columns = dataset.column_names or list(next(iter(dataset)))  # streamed datasets may not know their columns
     if "input_ids" in columns:
         return dataset
     if tokenizer is None:
         raise ValueError("The dataset holds text or chats: pass the target's tokenizer (`processing_class`).")
+    settings = {"max_length": max_length, "text_field": text_field, "assistant_only_loss": assistant_only_loss}
+    fingerprint = {}
+    if isinstance(dataset, Dataset):  # streamed datasets have no cache files
+        key = tokenization_fingerprint(dataset._fingerprint, tokenizer, settings)
+        fingerprint = {"new_fingerprint": key}
     dataset = dataset.map(
-        tokenize_example,
-        fn_kwargs={
-            "tokenizer": tokenizer,
-            "max_length": max_length,
-            "text_field": text_field,
-            "assistant_only_loss": assistant_only_loss,
-        },
-        remove_columns=columns,
+        tokenize_example, fn_kwargs={"tokenizer": tokenizer, **settings}, remove_columns=columns, **fingerprint
     )
-    return dataset.filter(has_training_targets)
+    if fingerprint:
+        fingerprint = {"new_fingerprint": f"{fingerprint['new_fingerprint']}-filtered"}
+    return dataset.filter(has_training_targets, **fingerprint)
+
+
+def tokenization_fingerprint(dataset_fingerprint: str, tokenizer: PreTrainedTokenizerBase, settings: dict) -> str:
+    """What the tokenized dataset depends on: the dataset, the tokenizer's full definition and the settings."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    definition = {
+        "dataset": dataset_fingerprint,
+        "tokenizer": backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items())),
+        "chat_template": tokenizer.chat_template,
+        "special_tokens": tokenizer.special_tokens_map,
+        "settings": settings,
+        "version": 1,  # bump when tokenize_example changes what it returns
+    }
+    return hashlib.sha256(json.dumps(definition, sort_keys=True, default=str).encode()).hexdigest()[:32]
