@@ -135,7 +135,9 @@ class OspreyTTTCache:
         prefix_key, prefix_value, chain_keys, chain_values = self._layers[layer_idx]
         chain_keys.append(key)
         chain_values.append(value)
-        return chain_attention(query, prefix_key, prefix_value, torch.stack(chain_keys, 3), torch.stack(chain_values, 3))
+        return chain_attention(
+            query, prefix_key, prefix_value, torch.stack(chain_keys, 3), torch.stack(chain_values, 3)
+        )
 
 
 def chain_attention(query, prefix_key, prefix_value, chain_keys, chain_values) -> torch.Tensor:
@@ -193,9 +195,12 @@ class _ChainAttention(torch.autograd.Function):
         grad_query = grad_query.float() + torch.einsum("bhts,bhtsd->bhtd", grad_scores, chain_keys.float())
         grad_chain_keys = grad_scores[..., None] * query.float()[..., None, :]
         return (
-            grad_query.to(query.dtype), grad_prefix_key, grad_prefix_value,
-            grad_chain_keys.to(chain_keys.dtype), grad_chain_values.to(chain_values.dtype),
-        )  # fmt: skip
+            grad_query.to(query.dtype),
+            grad_prefix_key,
+            grad_prefix_value,
+            grad_chain_keys.to(chain_keys.dtype),
+            grad_chain_values.to(chain_values.dtype),
+        )
 
 
 class OspreyMLP(nn.Module):

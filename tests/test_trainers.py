@@ -154,10 +154,15 @@ def dense_ttt_loss(drafter, input_ids, features, target_logits, target_argmax, l
         labels = slice(1 + step, 1 + step + num_labelled)
         counted = torch.nn.functional.pad(label_mask[:, labels], (0, num_positions - num_labelled))
         outputs = drafter(
-            tokens, draft_hidden_states=hidden_states, attention_mask=ttt_attention_mask(num_positions, step),
-            position_ids=torch.arange(num_positions)[None] + step, cache=cache, use_cache=True, logits_to_keep=counted,
+            tokens,
+            draft_hidden_states=hidden_states,
+            attention_mask=ttt_attention_mask(num_positions, step),
+            position_ids=torch.arange(num_positions)[None] + step,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=counted,
             **({"target_hidden_states": features[:, :num_positions]} if step == 0 else {}),
-        )  # fmt: skip
+        )
         hidden_states = outputs.prenorm_hidden_states
         rows = label_rows[:, labels][label_mask[:, labels]]
         step_loss = torch.nn.functional.cross_entropy(outputs.logits.float(), target_probs[rows], reduction="sum")

@@ -9,7 +9,6 @@ function runs `torch.compile`d, which fuses it into one kernel; below, eagerly, 
 
 import torch
 
-
 COMPILE_ABOVE = 4_000_000  # logits; smaller calls (tests, tiny models) do not pay for the compilation
 
 
@@ -30,9 +29,12 @@ def soft_cross_entropy(
 
 
 def token_cross_entropy(
-    logits: torch.Tensor, labels: torch.LongTensor, ignore_index: int = -100, compile: bool | None = None,
+    logits: torch.Tensor,
+    labels: torch.LongTensor,
+    ignore_index: int = -100,
+    compile: bool | None = None,
     chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.LongTensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.LongTensor]:
     """`F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=ignore_index)` over `(N, V)` logits
     and `(N,)` labels, and the number of rows whose argmax is their label."""
     labels = labels.masked_fill(labels == ignore_index, -1)

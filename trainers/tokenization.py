@@ -16,7 +16,6 @@ from bisect import bisect_right
 from collections.abc import Sequence
 
 from datasets import Dataset
-
 from transformers import PreTrainedTokenizerBase
 
 

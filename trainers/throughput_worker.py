@@ -1,0 +1,273 @@
+"""The measured processes of `benchmarks/training_throughput.py`: one `Trainer.train()` (or feature-cache build, or
+matmul timing) per process, printed as one JSON line.
+
+Run by path (`runpy`) with `PYTHONPATH` pointing at the trainers to measure, the current ones or an older commit's
+checkout: it uses only the API both share (`OspreyDistillTrainer`, `OspreyPretrainer`, `FeatureCacheDataset`,
+`TargetHead`, `build_feature_cache`), so the same worker times both.
+
+    python trainers/throughput_worker.py distill|pretrain|features|matmul|configs ARGS...
+"""
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+QWEN_VOCAB, SMOLLM_VOCAB = 151936, 49152
+DISTILL_CONFIGS = {
+    # name: drafter shape (OspreyConfig overrides), sequences per micro-batch, tokens per sequence
+    "distill-qwen2.5-coder-1.5b": {
+        "drafter": {
+            "vocab_size": QWEN_VOCAB,
+            "draft_vocab_size": 32000,
+            "target_hidden_size": 1536,
+            "target_layer_ids": [1, 13, 24],
+        },
+        "batch_size": 2,
+        "seq_len": 1024,
+        "accumulation": 2,
+        "ttt_steps": 5,
+    },
+    "distill-smollm2-135m": {
+        "drafter": {
+            "vocab_size": SMOLLM_VOCAB,
+            "draft_vocab_size": 8192,
+            "target_hidden_size": 576,
+            "target_layer_ids": [1, 14, 26],
+        },
+        "batch_size": 2,
+        "seq_len": 1024,
+        "accumulation": 2,
+        "ttt_steps": 5,
+    },
+}
+PRETRAIN_CONFIG = {"batch_size": 4, "seq_len": 1024, "accumulation": 2}
+SMOLLM2_2L = {
+    "vocab_size": SMOLLM_VOCAB,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "tie_word_embeddings": True,
+    "rope_theta": 100000.0,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 8192,
+}
+SMOLLM2_135M = "smollm2-135m-instruct"
+
+
+# ------------------------------------------------------------------------------------------------------ workers
+# Each runs in its own process against whichever `trainers` / `modeling_osprey` PYTHONPATH points at, and prints one
+# JSON line. They use only the API both versions share.
+
+
+class _StepTimer:
+    def __init__(self):
+        import transformers
+
+        class Callback(transformers.TrainerCallback):
+            def on_step_begin(cb, args, state, control, **kwargs):
+                self.begin = (time.perf_counter(), time.process_time())
+
+            def on_step_end(cb, args, state, control, **kwargs):
+                self.steps.append((time.perf_counter() - self.begin[0], time.process_time() - self.begin[1]))
+
+        self.steps: list[tuple[float, float]] = []
+        self.callback = Callback()
+
+    def result(self, tokens_per_step: int) -> dict:
+        timed = self.steps[1:]  # the first step warms up (allocations, torch.compile)
+        wall, cpu = sum(step[0] for step in timed), sum(step[1] for step in timed)
+        return {
+            "tokens_per_s": tokens_per_step * len(timed) / wall,
+            "cpu_s_per_1k_tokens": 1000 * cpu / (tokens_per_step * len(timed)),
+            "step_wall_s": [round(step[0], 2) for step in self.steps],
+        }
+
+
+def zoo_dir(name: str) -> Path:
+    """Where `osprey fetch` caches a zoo model (`$OSPREY_HOME`, default ~/.cache/osprey), in any version."""
+    return Path(os.environ.get("OSPREY_HOME", "~/.cache/osprey")).expanduser() / "models" / name
+
+
+def distill_worker(name: str, steps: int) -> dict:
+    import torch
+
+    from modeling_osprey import OspreyConfig, OspreyForDrafting
+    from trainers.distill import OspreyDistillConfig, OspreyDistillTrainer
+    from trainers.feature_cache import FeatureCacheDataset, TargetHead
+
+    spec = DISTILL_CONFIGS[name]
+    torch.manual_seed(0)
+    drafter = OspreyForDrafting(OspreyConfig(**spec["drafter"]))
+    taps, width, vocab = (
+        len(spec["drafter"]["target_layer_ids"]),
+        spec["drafter"]["target_hidden_size"],
+        spec["drafter"]["vocab_size"],
+    )
+
+    class RandomFeatures(FeatureCacheDataset):
+        """Random sequences with the fields of a feature cache, held in memory."""
+
+        def __init__(self, num_sequences: int):
+            generator = torch.Generator().manual_seed(1)
+            length = spec["seq_len"]
+            self.items = [
+                {
+                    "input_ids": torch.randint(0, vocab, (length,), generator=generator, dtype=torch.int32),
+                    "loss_mask": torch.ones(length, dtype=torch.uint8),
+                    "target_hidden_states": torch.randn(length, taps * width, generator=generator).bfloat16(),
+                    "target_last_hidden_state": torch.randn(length, width, generator=generator).bfloat16(),
+                    "target_argmax": torch.randint(0, vocab, (length,), generator=generator, dtype=torch.int32),
+                }
+                for _ in range(num_sequences)
+            ]
+
+        def __len__(self):
+            return len(self.items)
+
+        def __getitem__(self, item):
+            return self.items[item]
+
+        def check_drafter(self, drafter_config):
+            pass
+
+        def target_head(self):
+            weight = torch.randn(vocab, width, generator=torch.Generator().manual_seed(2)).bfloat16()
+            return TargetHead(weight.mul_(width**-0.5))
+
+    tokens_per_step = spec["batch_size"] * spec["seq_len"] * spec["accumulation"]
+    dataset = RandomFeatures(spec["batch_size"] * spec["accumulation"] * (steps + 1))
+    timer = _StepTimer()
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = OspreyDistillConfig(
+            output_dir=output_dir,
+            per_device_train_batch_size=spec["batch_size"],
+            gradient_accumulation_steps=spec["accumulation"],
+            max_steps=steps + 1,
+            ttt_steps=spec["ttt_steps"],
+            learning_rate=3e-4,
+            lr_scheduler_type="cosine",
+            max_grad_norm=0.5,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            logging_steps=1000,
+            seed=0,
+            bf16=True,
+            use_cpu=True,
+        )
+        trainer = OspreyDistillTrainer(drafter, config, train_dataset=dataset, callbacks=[timer.callback])
+        trainer.train()
+    return timer.result(tokens_per_step)
+
+
+def pretrain_worker(steps: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from trainers.pretrain import OspreyPretrainConfig, OspreyPretrainer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_2L))
+    tokenizer = AutoTokenizer.from_pretrained(zoo_dir(SMOLLM2_135M))
+    spec = PRETRAIN_CONFIG
+    num_rows = spec["batch_size"] * spec["accumulation"] * (steps + 1)
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, SMOLLM_VOCAB, (num_rows, spec["seq_len"]), generator=generator).tolist()
+    dataset = Dataset.from_dict({"input_ids": rows})
+    timer = _StepTimer()
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = OspreyPretrainConfig(
+            output_dir=output_dir,
+            per_device_train_batch_size=spec["batch_size"],
+            gradient_accumulation_steps=spec["accumulation"],
+            max_steps=steps + 1,
+            max_length=spec["seq_len"],
+            learning_rate=3e-4,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            logging_steps=1000,
+            seed=0,
+            dataloader_drop_last=True,
+        )
+        trainer = OspreyPretrainer(
+            model, config, train_dataset=dataset, processing_class=tokenizer, callbacks=[timer.callback]
+        )
+        trainer.train()
+    return timer.result(spec["batch_size"] * spec["seq_len"] * spec["accumulation"])
+
+
+def features_worker(num_sequences: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainers.feature_cache import build_feature_cache
+
+    directory = zoo_dir(SMOLLM2_135M)
+    if (directory / "model.safetensors").is_file():
+        target, source = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16), "zoo weights"
+    else:
+        config = AutoConfig.from_pretrained(directory) if directory.is_dir() else None
+        target, source = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), "random weights"
+    target.eval()
+    seq_len = 1024
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, target.config.vocab_size, (num_sequences, seq_len), generator=generator)
+    with torch.inference_mode():
+        target(rows[:1], use_cache=False)  # warm-up
+        start = time.perf_counter()
+        for row in rows:
+            target(row[None], use_cache=False)
+        forward_rate = num_sequences * seq_len / (time.perf_counter() - start)
+    dataset = Dataset.from_dict({"input_ids": rows.tolist(), "loss_mask": [[1] * seq_len] * num_sequences})
+    with tempfile.TemporaryDirectory() as output_dir:
+        start = time.perf_counter()
+        build_feature_cache(target, {"train": dataset}, Path(output_dir) / "cache", [1, 14, 26], batch_size=1)
+        rate = num_sequences * seq_len / (time.perf_counter() - start)
+        split_bytes = sum(path.stat().st_size for path in (Path(output_dir) / "cache" / "train").iterdir())
+    return {
+        "tokens_per_s": rate,
+        "target_forward_tokens_per_s": forward_rate,
+        "target": f"{SMOLLM2_135M} ({source})",
+        "bytes_per_token": split_bytes / (num_sequences * seq_len),
+    }
+
+
+def matmul_worker(shapes: list[list[int]]) -> dict:
+    """bfloat16 GFLOP/s of `torch.matmul` at each (m, k, n)."""
+    import torch
+
+    rates = {}
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k).bfloat16(), torch.randn(k, n).bfloat16()
+        torch.matmul(a, b)
+        repeats, start = 0, time.perf_counter()
+        while repeats < 3 or time.perf_counter() - start < 1.0:
+            torch.matmul(a, b)
+            repeats += 1
+        rates[f"{m}x{k}x{n}"] = 2 * m * k * n * repeats / (time.perf_counter() - start) / 1e9
+    return rates
+
+
+def main(argv: list[str]) -> int:
+    kind, *rest = argv
+    workers = {
+        "distill": lambda: distill_worker(rest[0], int(rest[1])),
+        "pretrain": lambda: pretrain_worker(int(rest[0])),
+        "features": lambda: features_worker(int(rest[0])),
+        "matmul": lambda: matmul_worker(json.loads(rest[0])),
+        "configs": lambda: {"distill": DISTILL_CONFIGS, "pretrain": PRETRAIN_CONFIG, "pretrain_model": SMOLLM2_2L},
+    }
+    print(json.dumps(workers[kind]()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
