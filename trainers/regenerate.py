@@ -103,8 +103,7 @@ def regenerate_split(target, tokenizer, records, path: Path, args: RegenerateArg
         head = opening(record["messages"])
         if key in done or head is None:
             continue
-        prompt = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True)
-        prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+        prompt = tokenizer.apply_chat_template(head, add_generation_prompt=True, return_dict=True)["input_ids"]
         if len(prompt) <= args.max_prompt_tokens:
             todo.append((key, head, prompt))
     # Batches of similar length waste little on padding; the order inside the file does not matter.
@@ -112,6 +111,8 @@ def regenerate_split(target, tokenizer, records, path: Path, args: RegenerateArg
     batches = [todo[start : start + args.batch_size] for start in range(0, len(todo), args.batch_size)]
     random.Random(args.seed).shuffle(batches)  # early stops still cover every length
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = target.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
     written = 0
     with path.open("a", encoding="utf-8") as handle:
         for batch in tqdm(batches, desc=f"regenerating {path.stem}", unit="batch"):
@@ -127,18 +128,13 @@ def regenerate_split(target, tokenizer, records, path: Path, args: RegenerateArg
                     pad_token_id=pad,
                 )
             for (key, head, _), answer in zip(batch, output[:, width:].tolist()):
-                finished = any(token in _eos_ids(target) for token in answer)
+                finished = not eos_ids.isdisjoint(answer)
                 text = tokenizer.decode(answer, skip_special_tokens=True)
                 line = {"id": key, "messages": head + [{"role": "assistant", "content": text}], "finished": finished}
                 handle.write(json.dumps(line, ensure_ascii=False) + "\n")
             handle.flush()
             written += len(batch)
     return written
-
-
-def _eos_ids(target) -> set[int]:
-    eos = target.generation_config.eos_token_id
-    return set(eos if isinstance(eos, list) else [eos])
 
 
 def main(argv: list[str] | None = None) -> int:
