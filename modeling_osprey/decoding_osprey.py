@@ -29,7 +29,7 @@ from transformers.generation import (
     StoppingCriteriaList,
 )
 
-from .generation_osprey import DraftState, DraftTree, crop_cache, draft_chain, draft_tree
+from .generation_osprey import DraftState, DraftTree, add_branch, crop_cache, draft_chain, draft_tree, prompt_lookup
 from .target_features import TargetFeatureCapture
 
 # Trees on a CPU: its verification forward is compute-bound (SmolLM2-135M on a shared 2-core machine: 53 ms for 1
@@ -40,7 +40,10 @@ CPU_DRAFT_TOPK, CPU_TREE_SIZE = 3, 4
 
 
 def default_tree_size(target, num_draft_tokens: int, draft_topk: int) -> int:
-    """Tree nodes verified per step when `tree_size` is not given: `CPU_TREE_SIZE` for a target on the CPU."""
+    """Tree nodes verified per step when `tree_size` is not given: the whole chain for `draft_topk = 1` (a chain
+    verified as a tree, beside a prompt-lookup branch), `CPU_TREE_SIZE` for a target on the CPU."""
+    if draft_topk == 1:
+        return num_draft_tokens
     return CPU_TREE_SIZE if target.device.type == "cpu" else num_draft_tokens * draft_topk
 
 
@@ -64,8 +67,19 @@ class DecodingStep:
     accepted_nodes: list[int] | None = None
 
 
-def check_tree_settings(draft_topk: int, tree_size: int | None, confidence_threshold: float = 0.0) -> None:
+def check_tree_settings(
+    draft_topk: int, tree_size: int | None, confidence_threshold: float = 0.0, prompt_lookup_num_tokens: int = 0
+) -> None:
     """Clear errors for tree settings that cannot work."""
+    if prompt_lookup_num_tokens < 0:
+        raise ValueError(
+            f"prompt_lookup_num_tokens must be >= 0 (0: no prompt-lookup branch), got {prompt_lookup_num_tokens}."
+        )
+    if prompt_lookup_num_tokens > 0 and confidence_threshold > 0:
+        raise ValueError(
+            "confidence_threshold ends chains early, but a prompt-lookup branch makes the draft a tree, pruned by "
+            "tree_size instead. Pass one of the two."
+        )
     if draft_topk < 1:
         raise ValueError(f"draft_topk must be >= 1 (1 drafts chains), got {draft_topk}.")
     if tree_size is not None and tree_size < 1:
@@ -87,6 +101,7 @@ def decode(
     draft_topk: int = 1,
     tree_size: int | None = None,
     confidence_threshold: float = 0.0,
+    prompt_lookup_num_tokens: int = 0,
     logits_processor: LogitsProcessorList | None = None,
     do_sample: bool = False,
     eos_token_id: int | list[int] | None = None,
@@ -105,6 +120,9 @@ def decode(
             `num_draft_tokens * draft_topk`).
         confidence_threshold: a chain stops early after a draft the drafter gave a probability below this (0: full
             chains).
+        prompt_lookup_num_tokens: K > 0 adds one more branch to every draft, at no drafter cost: the up to K tokens
+            that followed the latest earlier occurrence of the sequence's last 2-gram (or 1-gram), as transformers'
+            prompt lookup proposes them. The draft is then verified as a tree (a chain with `draft_topk = 1`).
         logits_processor: applied alike to the target's and the drafter's scores (sampling warpers, penalties).
         stopping_criteria: transformers' criteria, checked after every new token: the output ends at the first
             token where one says stop, as in `generate` (eos and `max_new_tokens` are handled without them).
@@ -113,7 +131,7 @@ def decode(
     """
     if input_ids.shape[0] != 1:
         raise ValueError(f"Osprey decodes one prompt at a time, got batch size {input_ids.shape[0]}.")
-    check_tree_settings(draft_topk, tree_size, confidence_threshold)
+    check_tree_settings(draft_topk, tree_size, confidence_threshold, prompt_lookup_num_tokens)
     drafter.config.check_target(target)
     tree_size = tree_size or default_tree_size(target, num_draft_tokens, draft_topk)
     processors = logits_processor if logits_processor is not None else LogitsProcessorList()
@@ -135,10 +153,13 @@ def decode(
         state = DraftState()
         while not stop and new_tokens < max_new_tokens and not _ends_with(sequence, eos_ids):
             budget = min(num_draft_tokens, max_new_tokens - new_tokens - 1)
-            if draft_topk > 1 and budget > 0:
+            if (draft_topk > 1 or prompt_lookup_num_tokens > 0) and budget > 0:
                 tree = draft_tree(
                     drafter, state, sequence, features, budget, draft_topk, tree_size, processors, eos_ids
                 )
+                if prompt_lookup_num_tokens > 0:
+                    room = min(prompt_lookup_num_tokens, max_new_tokens - new_tokens - 1)
+                    tree = add_branch(tree, prompt_lookup(sequence, room), drafter.config.vocab_size)
                 step, features = _verify_tree(target, cache, capture, sequence, tree, processors, do_sample, generator)
             else:
                 step, features = _verify_chain(
@@ -376,15 +397,26 @@ def _truncate_after_eos(tokens: torch.LongTensor, eos_ids: torch.Tensor | None) 
 
 # --- `target.generate(..., custom_generate=DRAFTER_DIR, trust_remote_code=True)` ----------------------------------
 
-OWN_ARGUMENTS = ("assistant_model", "streamer", "draft_topk", "tree_size", "num_draft_tokens", "generator")
+OWN_ARGUMENTS = (
+    "assistant_model",
+    "streamer",
+    "draft_topk",
+    "tree_size",
+    "num_draft_tokens",
+    "prompt_lookup_num_tokens",
+    "generator",
+)
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
 def generate(model, *args, **kwargs):
     """The `custom_generate/generate.py` entry of a saved drafter: `target.generate(input_ids, assistant_model=drafter,
-    custom_generate=DRAFTER_DIR_OR_REPO, trust_remote_code=True, draft_topk=..., tree_size=..., ...)` runs `decode`
+    custom_generate=DRAFTER_DIR_OR_REPO, trust_remote_code=True, draft_topk=..., tree_size=...,
+    prompt_lookup_num_tokens=..., ...)` runs `decode`
     with the target's generation config (max/min new tokens, eos, stopping criteria, logits processors, streamer,
     `return_dict_in_generate`). No attach is needed: the loop hooks the target's taps and removes the hooks after.
+    A `streamer` gets the prompt, the first token, then each verification step's tokens at once; one that also has
+    an `on_step(step)` method is handed each step's `DecodingStep` after its tokens (the verified tree included).
 
     transformers also installs this function as the `generate` of a drafter loaded from the same folder with
     `trust_remote_code=True`; called on the drafter (as assisted generation does), it is the drafter's own `generate`.
@@ -418,11 +450,15 @@ def generate(model, *args, **kwargs):
         num_draft_tokens = own["num_draft_tokens"] or drafting.num_assistant_tokens
         draft_topk = own["draft_topk"] or getattr(drafting, "draft_topk", None) or 1
         tree_size = own["tree_size"] or getattr(drafting, "tree_size", None)
-        threshold = (drafting.assistant_confidence_threshold or 0.0) if draft_topk == 1 else 0.0
+        lookup = own["prompt_lookup_num_tokens"] or 0
+        threshold = (drafting.assistant_confidence_threshold or 0.0) if draft_topk == 1 and not lookup else 0.0
 
         def stream(step, sequence):
-            if streamer is not None:
-                streamer.put((sequence[:, -1:] if step is None else step.emitted).cpu())
+            if streamer is None:
+                return
+            streamer.put((sequence[:, -1:] if step is None else step.emitted).cpu())
+            if step is not None and hasattr(streamer, "on_step"):  # a streamer that also wants each step whole
+                streamer.on_step(step)
 
         sequences = decode(
             model,
@@ -433,6 +469,7 @@ def generate(model, *args, **kwargs):
             draft_topk=draft_topk,
             tree_size=tree_size,
             confidence_threshold=threshold,
+            prompt_lookup_num_tokens=lookup,
             logits_processor=logits_processor,
             do_sample=bool(generation_config.do_sample),
             eos_token_id=_eos_ids(generation_config),

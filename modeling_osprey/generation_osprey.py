@@ -279,6 +279,48 @@ def _most_probable_closed_subtree(cumulative_log_probs: list[float], size: int) 
     return sorted(ranked[:size])
 
 
+def prompt_lookup(sequence: torch.LongTensor, num_tokens: int, max_ngram_size: int = 2) -> list[int]:
+    """Prompt lookup (Saxena 2023; transformers' `prompt_lookup_num_tokens`): the up to `num_tokens` tokens that
+    followed the latest earlier occurrence of the sequence's (batch 1) last n-gram, trying the longest n-gram first
+    (`max_ngram_size` down to 1); empty when none recurs. It costs no model call."""
+    tokens = sequence[0]
+    length = tokens.shape[0]
+    for size in range(min(max_ngram_size, length - 1), 0, -1):
+        windows = tokens.unfold(0, size, 1)[: length - size]  # every n-gram that has at least one token after it
+        starts = (windows == tokens[length - size :]).all(dim=-1).nonzero()
+        if len(starts):
+            start = int(starts[-1]) + size
+            return tokens[start : start + num_tokens].tolist()
+    return []
+
+
+def add_branch(tree: DraftTree, tokens: list[int], vocab_size: int) -> DraftTree:
+    """`tree` with the path `tokens` from its root merged in: the path follows existing nodes while their tokens match
+    and goes on as new nodes (appended, so parents still come first). New nodes were not drafted by the drafter: their
+    `cumulative_log_probs` are -inf and their `draft_scores` (over the `vocab_size` target tokens) all -inf: a
+    point-mass pick, like every tree node."""
+    if not tokens:
+        return tree
+    parents, depths = list(tree.parents), list(tree.depths)
+    token_list, draft_scores, cumulative = (
+        tree.tokens.tolist(),
+        list(tree.draft_scores),
+        list(tree.cumulative_log_probs),
+    )
+    node, no_scores = -1, torch.full((vocab_size,), float("-inf"), device=tree.tokens.device)
+    for token in tokens:
+        child = next((c for c, parent in enumerate(parents) if parent == node and token_list[c] == token), None)
+        if child is None:
+            child = len(parents)
+            parents.append(node)
+            depths.append(depths[node] + 1 if node >= 0 else 1)
+            token_list.append(token)
+            draft_scores.append(no_scores)
+            cumulative.append(float("-inf"))
+        node = child
+    return DraftTree(tree.tokens.new_tensor(token_list), parents, depths, draft_scores, cumulative)
+
+
 @torch.no_grad()
 def draft_without_target_features(
     drafter,

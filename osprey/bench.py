@@ -45,6 +45,7 @@ class BenchSettings:
     confidence_threshold: float = DRAFTING_DEFAULTS["assistant_confidence_threshold"]
     draft_topk: int = 1  # tree methods' shape (chain methods draft chains whatever these say)
     tree_size: int | None = None
+    prompt_lookup_num_tokens: int = 0  # the `-lookup` methods' prompt-lookup branch (chain methods have none)
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int | None = None
@@ -61,8 +62,9 @@ class BenchMethod:
     """A decoding method. With `drafter` (an Osprey-format drafter) it decodes by `route`: `standalone` runs
     `speculative_generate`, `hf` transformers' `target.generate(assistant_model=drafter)` (chains), `custom` the
     drafter folder's `custom_generate` inside `target.generate` (`drafter_dir`); `tree` drafts trees of the settings'
-    `draft_topk` / `tree_size` instead of chains. Without a drafter: `target.generate`, assisted by `assistant` (SpS)
-    or `prompt_lookup_num_tokens` (PLD), or alone."""
+    `draft_topk` / `tree_size` instead of chains; `lookup` adds the settings' prompt-lookup branch to every draft.
+    Without a drafter: `target.generate`, assisted by `assistant` (SpS) or `prompt_lookup_num_tokens` (PLD), or
+    alone."""
 
     name: str
     spec: str
@@ -71,14 +73,17 @@ class BenchMethod:
     prompt_lookup_num_tokens: int | None = None
     route: str = "standalone"
     tree: bool = False
+    lookup: bool = False
     drafter_dir: str | None = None
     tree_shape: tuple[int, int | None] | None = None  # (draft_topk, tree_size) of this method, else the settings'
 
     def __post_init__(self):
         if self.route not in ROUTES:
             raise ValueError(f"Unknown route {self.route!r}: use one of {', '.join(ROUTES)}.")
-        if self.route == "hf" and self.tree:
-            raise ValueError("The `hf` route (assistant_model=) verifies chains only: drop the tree for it.")
+        if self.route == "hf" and (self.tree or self.lookup):
+            raise ValueError(
+                "The `hf` route (assistant_model=) verifies chains only: drop the tree and prompt-lookup branch for it."
+            )
         if self.route == "custom" and self.drafter_dir is None:
             raise ValueError("The `custom` route runs the drafter folder's custom_generate: pass drafter_dir.")
 
@@ -86,6 +91,8 @@ class BenchMethod:
         """The full output sequence and, for `speculative_generate`, its `SpeculativeStats` (else None)."""
         topk, size = self.tree_shape or (settings.draft_topk, settings.tree_size)
         shape = dict(draft_topk=topk, tree_size=size) if self.tree else {}
+        if self.lookup:
+            shape["prompt_lookup_num_tokens"] = settings.prompt_lookup_num_tokens
         if self.drafter is not None and self.route == "standalone":
             generator = torch.Generator(device=input_ids.device).manual_seed(request_seed)
             return speculative_generate(
@@ -351,19 +358,26 @@ def parse_method_specs(drafters: list[str], baselines: str) -> list[tuple[str, s
     return pairs
 
 
-# A drafter's method per route and shape: (spec kind, name suffix, route, tree).
+# A drafter's method per (route, tree, lookup): (spec kind, name suffix, route, tree, lookup).
 DRAFTER_METHODS = {
-    ("standalone", False): ("drafter", "", "standalone", False),
-    ("standalone", True): ("drafter-tree", "-tree", "standalone", True),
-    ("hf", False): ("hf", "-hf", "hf", False),
-    ("custom", False): ("custom", "-custom", "custom", False),
-    ("custom", True): ("custom-tree", "-custom-tree", "custom", True),
+    ("standalone", False, False): ("drafter", "", "standalone", False, False),
+    ("standalone", True, False): ("drafter-tree", "-tree", "standalone", True, False),
+    ("standalone", False, True): ("drafter-lookup", "-lookup", "standalone", False, True),
+    ("standalone", True, True): ("drafter-tree-lookup", "-tree-lookup", "standalone", True, True),
+    ("hf", False, False): ("hf", "-hf", "hf", False, False),
+    ("custom", False, False): ("custom", "-custom", "custom", False, False),
+    ("custom", True, False): ("custom-tree", "-custom-tree", "custom", True, False),
+    ("custom", False, True): ("custom-lookup", "-custom-lookup", "custom", False, True),
+    ("custom", True, True): ("custom-tree-lookup", "-custom-tree-lookup", "custom", True, True),
 }
 
 
-def expand_drafter_methods(pairs: list[tuple[str, str]], routes: list[str], trees: bool) -> list[tuple[str, str]]:
-    """Each `drafter:DIR` method once per route (`standalone` keeps the plain name, others get `-hf` / `-custom`) and,
-    with `trees`, again drafting trees (`-tree`) on the routes that verify trees; other methods unchanged."""
+def expand_drafter_methods(
+    pairs: list[tuple[str, str]], routes: list[str], trees: bool, lookup: bool = False
+) -> list[tuple[str, str]]:
+    """Each `drafter:DIR` method once per route (`standalone` keeps the plain name, others get `-hf` / `-custom`),
+    with `trees` again drafting trees (`-tree`), and with `lookup` again with a prompt-lookup branch (`-lookup`, on
+    the trees if any), on the routes that verify them; other methods unchanged."""
     unknown = sorted(set(routes) - set(ROUTES))
     if unknown:
         raise ValueError(f"Unknown route(s) {unknown}: choose from {', '.join(ROUTES)}.")
@@ -373,9 +387,10 @@ def expand_drafter_methods(pairs: list[tuple[str, str]], routes: list[str], tree
         if kind != "drafter":
             expanded.append((name, spec))
             continue
-        for key in [(route, tree) for route in routes for tree in ((False, True) if trees else (False,))]:
+        shapes = [(False, False)] + ([(True, False)] if trees else []) + ([(trees, True)] if lookup else [])
+        for key in [(route, *shape) for route in routes for shape in shapes]:
             if key in DRAFTER_METHODS:
-                spec_kind, suffix, _, _ = DRAFTER_METHODS[key]
+                spec_kind, suffix, *_ = DRAFTER_METHODS[key]
                 expanded.append((name + suffix, f"{spec_kind}:{location}"))
     return expanded
 
@@ -384,9 +399,9 @@ def load_method(name: str, spec: str, tokenizer, dtype: torch.dtype, device: str
     from .zoo import load_causal_lm, load_tokenizer
 
     kind, _, argument = spec.partition(":")
-    drafter_kinds = {spec_kind: (route, tree) for spec_kind, _, route, tree in DRAFTER_METHODS.values()}
+    drafter_kinds = {spec_kind: (route, tree, lookup) for spec_kind, _, route, tree, lookup in DRAFTER_METHODS.values()}
     if kind in drafter_kinds:
-        route, tree = drafter_kinds[kind]
+        route, tree, lookup = drafter_kinds[kind]
         drafter = load_drafter(argument, dtype, device)
         folder = Path(drafter.name_or_path)
         if route == "custom" and not (folder / CUSTOM_GENERATE_DIR / "generate.py").is_file():
@@ -395,7 +410,7 @@ def load_method(name: str, spec: str, tokenizer, dtype: torch.dtype, device: str
                 "drafters carried it, or is packed. Save it again (`osprey unpack --drafter DIR --output NEW_DIR`, or "
                 "`load_drafter(DIR).save_pretrained(NEW_DIR)`) and bench NEW_DIR."
             )
-        return BenchMethod(name, spec, drafter=drafter, route=route, tree=tree, drafter_dir=str(folder))
+        return BenchMethod(name, spec, drafter=drafter, route=route, tree=tree, lookup=lookup, drafter_dir=str(folder))
     if kind == "pld":
         return BenchMethod(name, spec, prompt_lookup_num_tokens=int(argument or 10))
     if kind == "sps":
@@ -445,7 +460,8 @@ def add_subcommand(subparsers) -> None:
         metavar="LIST",
         help="comma-separated routes each drafter decodes by: standalone (speculative_generate), hf "
         "(target.generate(assistant_model=drafter), chains), custom (target.generate(custom_generate=DRAFTER_DIR)); "
-        "with --draft-topk > 1 each drafter also drafts trees on the routes that verify them (default: standalone)",
+        "with --draft-topk > 1 each drafter also drafts trees on the routes that verify them, and with "
+        "--prompt-lookup-num-tokens again with that prompt-lookup branch (default: standalone)",
     )
     parser.add_argument("--no-chat-template", action="store_true", help="feed prompts without the chat template")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -458,7 +474,9 @@ def _run_bench(args) -> int:
     from .zoo import load_causal_lm, load_tokenizer
 
     routes = [route.strip() for route in args.routes.split(",") if route.strip()]
-    specs = expand_drafter_methods(parse_method_specs(args.drafter, args.baselines), routes, args.draft_topk > 1)
+    specs = expand_drafter_methods(
+        parse_method_specs(args.drafter, args.baselines), routes, args.draft_topk > 1, args.prompt_lookup_num_tokens > 0
+    )
     prompts = [
         prompt
         for suite in args.prompts or ["spec_bench"]
@@ -471,6 +489,7 @@ def _run_bench(args) -> int:
         do_sample=args.do_sample,
         draft_topk=args.draft_topk,
         tree_size=args.tree_size,
+        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,

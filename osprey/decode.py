@@ -93,6 +93,7 @@ def speculative_generate(
     draft_topk: int = 1,
     tree_size: int | None = None,
     confidence_threshold: float = DRAFTING_DEFAULTS["assistant_confidence_threshold"],
+    prompt_lookup_num_tokens: int = 0,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int | None = None,
@@ -105,7 +106,9 @@ def speculative_generate(
     """Generates up to `max_new_tokens` after `input_ids` (batch 1) with `drafter` proposing chains of
     `num_draft_tokens` (or, with `draft_topk > 1`, trees of that depth and `tree_size` nodes) and `target` verifying
     them; returns the full sequence and the request's statistics. A chain stops early after a draft the drafter gave a
-    probability below `confidence_threshold` (0: full chains). The loop is `modeling_osprey.decoding_osprey.decode`.
+    probability below `confidence_threshold` (0: full chains). With `prompt_lookup_num_tokens = K > 0` every draft also
+    holds a prompt-lookup branch of up to K tokens, verified in the same forward. The loop is
+    `modeling_osprey.decoding_osprey.decode`.
 
     `on_tokens(tokens, accepted)` streams the output as it is decided, for demos: it is called with the prefill's
     token (`accepted=None`), then once per verification step with the tokens that step emitted, `tokens[:, :accepted]`
@@ -140,6 +143,7 @@ def speculative_generate(
         draft_topk=draft_topk,
         tree_size=tree_size,
         confidence_threshold=confidence_threshold,
+        prompt_lookup_num_tokens=prompt_lookup_num_tokens,
         logits_processor=processors,
         do_sample=do_sample,
         eos_token_id=eos_token_id,
@@ -244,6 +248,13 @@ def add_decoding_arguments(parser) -> None:
         default=DRAFTING_DEFAULTS["assistant_confidence_threshold"],
         help="stop a chain after a draft the drafter gives a probability below this (0: full chains, the paper's)",
     )
+    parser.add_argument(
+        "--prompt-lookup-num-tokens",
+        type=int,
+        default=0,
+        help="add a prompt-lookup branch of up to this many tokens to every draft (the continuation of the last "
+        "2-gram's latest earlier occurrence; no drafter cost), verified with the draft as one tree (0: none)",
+    )
     parser.add_argument("--do-sample", action="store_true", help="sample (lossless) instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int)
@@ -284,6 +295,7 @@ def _run_decode(args) -> int:
         draft_topk=args.draft_topk,
         tree_size=args.tree_size,
         confidence_threshold=args.confidence_threshold,
+        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
         eos_token_id=target.generation_config.eos_token_id,
         generator=torch.Generator().manual_seed(args.seed),
         **sampling,

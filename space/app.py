@@ -14,7 +14,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a demo of local mo
 
 import gradio as gr
 from allowlist import ModelCatalog
-from live_decoding import ACCEPTED, APP_DIR, OUTPUT_NAMES, TARGET, OspreySpace
+from live_decoding import ACCEPTED, APP_DIR, OUTPUT_NAMES, ROUTES, TARGET, OspreySpace
 
 EXAMPLES = [  # (label, prompt): the categories and languages where drafters differ most
     ("code · en", "Write a Python function that returns True when a string is a palindrome, ignoring case."),
@@ -60,6 +60,7 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
         "temperature": 0.0,
         "draft_topk": 1,
         "tree_size": 10,
+        "route": "standalone",
         "max_new_tokens": min(128, limits.max_new_tokens),
     }
     results = dict.fromkeys(OUTPUT_NAMES)
@@ -108,6 +109,11 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
                     value=request["tree_size"],
                     step=1,
                     label="Tree size: draft nodes the target verifies per step (trees only)",
+                )
+                route = gr.Radio(
+                    [(label, name) for name, label in ROUTES.items()],
+                    value=request["route"],
+                    label="Route: the same loop, from the osprey package or from the drafter's own custom_generate",
                 )
                 confidence_threshold = gr.Slider(
                     0,
@@ -162,6 +168,7 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
             confidence_threshold,
             draft_topk,
             tree_size,
+            route,
         ]
         # One generation at a time: timings are only honest without other requests competing for the hardware.
         gr.on(

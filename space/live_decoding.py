@@ -19,10 +19,14 @@ import torch
 from allowlist import ModelCatalog
 from transformers.generation.streamers import BaseStreamer
 
-from osprey.decode import encode_prompt, speculative_generate, target_generate
+from modeling_osprey.decoding_osprey import CUSTOM_GENERATE_DIR
+from osprey.decode import SpeculativeStats, encode_prompt, speculative_generate, target_generate
 
 APP_DIR = Path(__file__).resolve().parent
 ACCEPTED, TARGET = "accepted draft", "target token"
+# How Osprey's run decodes: the osprey package's loop, or the same loop from the drafter folder's custom_generate
+# inside `target.generate` (the route a user without the package takes).
+ROUTES = {"standalone": "speculative_generate (osprey package)", "custom": "target.generate(custom_generate=drafter)"}
 RESULT_KEYS = ("method", "suite", "category", "num_prompts", "tau", "tokens_per_s", "speedup")
 OUTPUT_NAMES = (
     "osprey",
@@ -140,7 +144,7 @@ class OspreySpace:
     def __init__(self, catalog: ModelCatalog, limits: Limits = Limits(), results_dir: str | Path | None = None):
         self.catalog, self.limits = catalog, limits
         self.results_dir = Path(results_dir) if results_dir else default_results_dir()
-        self._warm_pairs: set[tuple[str, str]] = set()
+        self._warm_pairs: set[tuple[str, str, str]] = set()
 
     def drafter_choices(self, target_name: str):
         names = self._checked(self.catalog.drafter_names, target_name)
@@ -157,10 +161,13 @@ class OspreySpace:
         confidence_threshold=0.0,
         draft_topk=1,
         tree_size=None,
+        route="standalone",
     ):
         """Streams the outputs in `OUTPUT_NAMES` order: Osprey's run step by step (with the last verified draft tree
         when drafting trees, `draft_topk` > 1), then the target alone. The statistics are strings, blank until known,
-        as a Number box would show a misleading 0."""
+        as a Number box would show a misleading 0. `route` (a key of `ROUTES`) picks how Osprey's run decodes."""
+        if route not in ROUTES:
+            raise gr.Error(f"Unknown route {route!r}: choose one of {', '.join(ROUTES)}.")
         num_draft_tokens, max_new_tokens, temperature = int(num_draft_tokens), int(max_new_tokens), float(temperature)
         confidence_threshold, draft_topk = float(confidence_threshold), int(draft_topk)
         tree_size = int(tree_size) if tree_size else num_draft_tokens * draft_topk
@@ -178,13 +185,19 @@ class OspreySpace:
             self.catalog.lock(target_name),
             draft_topk,
             tree_size,
+            route,
         )
-        if (target_name, drafter_name) not in self._warm_pairs:  # one-off first-call costs would skew the speedup
+        if route == "custom" and not (Path(drafter.name_or_path) / CUSTOM_GENERATE_DIR / "generate.py").is_file():
+            raise gr.Error(
+                f"{drafter_name} has no {CUSTOM_GENERATE_DIR}/generate.py to run inside target.generate (it was saved "
+                "before drafters carried it): save it again with `osprey unpack`, or use the standalone route."
+            )
+        if (target_name, drafter_name, route) not in self._warm_pairs:  # one-off first-call costs skew the speedup
             try:
                 _warm_up(request)
             except Exception as error:
                 raise _generation_error(error) from error
-            self._warm_pairs.add((target_name, drafter_name))
+            self._warm_pairs.add((target_name, drafter_name, route))
         osprey, stats, tree = yield from _stream_osprey(request)
         target_only, target_rate = None, None
         for target_only, target_rate in _stream_target_only(request, stats.new_tokens):
@@ -286,6 +299,7 @@ class _Request:
     lock: threading.Lock
     draft_topk: int = 1
     tree_size: int | None = None
+    route: str = "standalone"
 
     @property
     def sampling(self) -> dict:
@@ -297,7 +311,55 @@ def _warm_up(request: _Request) -> None:
     short = {"max_new_tokens": 3, "eos_token_id": None}
     with request.lock:
         speculative_generate(request.target, request.drafter, request.input_ids[:, :8], **short)
+        if request.route == "custom":  # loading the folder's custom_generate module is a first-call cost too
+            short_request = _Request(**{**vars(request), "input_ids": request.input_ids[:, :8], "max_new_tokens": 3})
+            _custom_generate(short_request, lambda item: None)
         request.target.generate(request.input_ids[:, :8], do_sample=False, min_new_tokens=3, pad_token_id=0, **short)
+
+
+def _custom_generate(request: _Request, emit) -> tuple[torch.LongTensor, SpeculativeStats]:
+    """The `custom` route: the drafter folder's `custom_generate` inside `target.generate`, its steps streamed."""
+    stats, start = SpeculativeStats(), time.perf_counter()
+    streamer = _StepStreamer(emit, stats)
+    torch.manual_seed(0)
+    output = request.target.generate(
+        request.input_ids,
+        assistant_model=request.drafter,
+        custom_generate=str(request.drafter.name_or_path),
+        trust_remote_code=True,
+        streamer=streamer,
+        max_new_tokens=request.max_new_tokens,
+        num_draft_tokens=request.num_draft_tokens,
+        draft_topk=request.draft_topk,
+        tree_size=request.tree_size if request.draft_topk > 1 else None,
+        eos_token_id=request.target.generation_config.eos_token_id,
+        pad_token_id=request.tokenizer.pad_token_id or 0,
+        **request.sampling,
+    )
+    stats.wall_time_s = time.perf_counter() - start
+    return output, stats
+
+
+class _StepStreamer(BaseStreamer):
+    """`custom_generate`'s streamer: skips the prompt, emits the first token, then each verification step whole
+    (Osprey's loop hands a streamer that has `on_step` every step), counting the run's statistics on the way."""
+
+    def __init__(self, emit, stats: SpeculativeStats):
+        self.emit, self.stats, self.puts = emit, stats, 0
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:  # the first is the prompt
+            self.stats.new_tokens = 1
+            self.emit((value.view(1, -1), None, None))
+
+    def on_step(self, step):
+        self.stats.new_tokens += step.emitted.shape[1]
+        self.stats.accepted_per_step.append(step.accepted)
+        self.emit((step.emitted, step.accepted, step))
+
+    def end(self):
+        pass
 
 
 def _stream_osprey(request: _Request):
@@ -305,7 +367,9 @@ def _stream_osprey(request: _Request):
     target, start = request.target, time.perf_counter()
     generator = torch.Generator(target.device).manual_seed(0)
     job = BackgroundJob(
-        lambda emit: speculative_generate(
+        (lambda emit: _custom_generate(request, emit))
+        if request.route == "custom"
+        else lambda emit: speculative_generate(
             target,
             request.drafter,
             request.input_ids,

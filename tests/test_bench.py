@@ -389,8 +389,9 @@ def test_hf_route_and_tree_methods_reproduce_the_target_and_accept_drafts(models
         BenchMethod("target", "target"),
         BenchMethod("osprey-hf", "hf:near-copy", drafter=drafter, route="hf"),
         BenchMethod("osprey-tree", "drafter-tree:near-copy", drafter=drafter, tree=True),
+        BenchMethod("osprey-tree-lookup", "drafter-tree-lookup:near-copy", drafter=drafter, tree=True, lookup=True),
     ]
-    settings = BenchSettings(max_new_tokens=16, draft_topk=3, tree_size=8)
+    settings = BenchSettings(max_new_tokens=16, draft_topk=3, tree_size=8, prompt_lookup_num_tokens=4)
     results = run_benchmark(target, tokenizer, methods, PROMPTS, settings, warmup=False, progress=False)
     records = {r["method"]: r for r in results["records"] if r["category"] == "overall"}
     assert records["osprey-hf"]["tau"] > 1.5 and records["osprey-tree"]["tau"] > 1.5
@@ -398,6 +399,9 @@ def test_hf_route_and_tree_methods_reproduce_the_target_and_accept_drafts(models
     assert all(not layer._forward_hooks for layer in target.model.layers), "the hf route must detach its hooks"
     tree_rows = [row for row in results["requests"] if row["method"] == "osprey-tree"]
     assert all(1 <= verified <= 8 for row in tree_rows for verified in row["verified_per_step"][:-1])
+    lookup_rows = [row for row in results["requests"] if row["method"] == "osprey-tree-lookup"]
+    assert max(verified for row in lookup_rows for verified in row["verified_per_step"]) <= 8 + 4
+    assert records["osprey-tree-lookup"]["tau"] > 1.5
     assert results["settings"]["draft_topk"] == 3 and results["settings"]["tree_size"] == 8
 
 
@@ -410,6 +414,20 @@ def test_drafters_expand_into_routes_and_trees():
         ("osprey-custom", "custom:d"),
         ("osprey-custom-tree", "custom-tree:d"),
         ("pld", "pld:3"),
+    ]
+    assert expand_drafter_methods(pairs, ["standalone", "hf", "custom"], trees=True, lookup=True) == [
+        ("osprey", "drafter:d"),
+        ("osprey-tree", "drafter-tree:d"),
+        ("osprey-tree-lookup", "drafter-tree-lookup:d"),
+        ("osprey-hf", "hf:d"),
+        ("osprey-custom", "custom:d"),
+        ("osprey-custom-tree", "custom-tree:d"),
+        ("osprey-custom-tree-lookup", "custom-tree-lookup:d"),
+        ("pld", "pld:3"),
+    ]
+    assert expand_drafter_methods(pairs[:1], ["standalone"], trees=False, lookup=True) == [
+        ("osprey", "drafter:d"),
+        ("osprey-lookup", "drafter-lookup:d"),
     ]
     with pytest.raises(ValueError, match="Unknown route"):
         expand_drafter_methods(pairs, ["vllm"], trees=False)

@@ -229,7 +229,7 @@ def test_custom_generate_respects_the_generation_config(tmp_path):
         dict(max_new_tokens=25, repetition_penalty=1.3),
     ):
         expected = target.generate(input_ids, do_sample=False, pad_token_id=0, **settings)
-        for shape in (dict(draft_topk=1), dict(draft_topk=3, tree_size=9)):
+        for shape in (dict(draft_topk=1), dict(draft_topk=3, tree_size=9), dict(prompt_lookup_num_tokens=6)):
             assert torch.equal(target.generate(input_ids, **route, **settings, **shape), expected), (settings, shape)
     as_dict = target.generate(input_ids, **route, max_new_tokens=8, return_dict_in_generate=True)
     assert torch.equal(as_dict.sequences, plain_greedy(target, input_ids, 8))

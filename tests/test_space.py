@@ -2,6 +2,7 @@
 gradio_client the way a visitor's browser drives it."""
 
 import json
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -271,3 +272,36 @@ def test_tree_settings_are_bounded(space):
         next(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 8, 0.0, 99, 9))
     with pytest.raises(gr.Error, match="Set one"):
         next(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 8, 0.3, 3, 9))
+
+
+def test_custom_route_decodes_through_the_drafter_folders_custom_generate(tiny_models, tmp_path):
+    """The `custom` route runs `target.generate(custom_generate=DRAFTER_DIR)`: the same text and steps as the
+    standalone loop, the tree view included; a drafter folder without custom_generate/ is refused clearly."""
+    target, tokenizer, drafter = tiny_models
+    drafter.save_pretrained(tmp_path / "drafter")
+    saved = load_drafter(tmp_path / "drafter")
+    (tmp_path / "old").mkdir()
+    saved.save_pretrained(tmp_path / "old")
+    shutil.rmtree(tmp_path / "old" / "custom_generate")
+    old = load_drafter(tmp_path / "old")
+    catalog = ModelCatalog(
+        {"tiny-llama": TargetChoice(lambda: (target, tokenizer), {"saved": lambda: saved, "old": lambda: old})}
+    )
+    space = OspreySpace(catalog)
+    runs = {
+        route: [
+            dict(zip(OUTPUT_NAMES, row))
+            for row in space.generate(PROMPT, "tiny-llama", "saved", 4, 0, 40, 0.0, 3, 9, route)
+        ]
+        for route in ("standalone", "custom")
+    }
+    standalone, custom = runs["standalone"][-1], runs["custom"][-1]
+    assert custom["osprey"] == standalone["osprey"]  # same text, same accepted / target labels
+    assert "".join(text for text, _ in custom["osprey"]) == plain_greedy_text(target, tokenizer, 40)
+    assert custom["tau"] == standalone["tau"] and custom["verify_steps"] == standalone["verify_steps"]
+    assert float(custom["tau"]) > 1.0 and custom["tree"].startswith("<p>Last step:")
+    assert len(runs["custom"]) > 3, "the custom route streams step by step"
+    with pytest.raises(gr.Error, match="custom_generate/generate.py"):
+        next(space.generate(PROMPT, "tiny-llama", "old", 4, 0, 8, 0.0, 1, 4, "custom"))
+    with pytest.raises(gr.Error, match="Unknown route"):
+        next(space.generate(PROMPT, "tiny-llama", "saved", 4, 0, 8, 0.0, 1, 4, "vllm"))
