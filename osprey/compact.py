@@ -13,8 +13,11 @@ tensor of a checkpoint in the cheapest exact-enough form:
   few rows that are no copy are stored, plus the SHA-256 of the whole tensor; `unpack` rebuilds it from the zoo
   model and refuses a mismatch.
 - `delta`: a tensor of the same name and shape exists in the reference (a fine-tuned block; a pruned backbone's block
-  `j` is matched to the parent block it was copied from, from `config.osprey_pruning`): the difference is stored as
-  int8 rows (absmax scale per row), so the error is 1/254 of each row's *change*, not of its weights.
+  `j` is matched to the parent block it was copied from, from `config.osprey_pruning`), or the tensor is a trained
+  LM head over a draft vocabulary whose rows started as the reference's rows of its `draft_to_target` ids (a
+  converted drafter's head, while its change is under half its norm): the difference is stored as int8 rows (absmax
+  scale per row), so the error is 1/254 of each row's *change*, not of its weights; with `delta_bits=4` as int4 rows
+  (two per byte, error 1/28 of the change), half the size.
 - otherwise int8 rows (`--dtype int8`, matrices only: norms and vectors stay as they are) or bfloat16.
 
 Other files identical to the reference's, or to its tokenizer as `save_pretrained` writes it (the 11 MB Qwen
@@ -45,6 +48,8 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 SKIPPED_FILES = ("optimizer.pt",)  # rewritten without its moments, see `_strip_optimizer`
 MAX_COPIED_FILE_BYTES = 32 * 2**20
 PACK_DTYPES = ("int8", "bfloat16")
+DELTA_BITS = (4, 8)
+DRAFT_ROWS = "draft_to_target"  # a drafter's draft-vocabulary ids: its LM head's rows in the target's vocabulary
 # A matrix is stored by reference when at least this share of its rows are copies of one reference matrix's rows.
 MIN_REFERENCED_ROWS = 0.5
 
@@ -73,6 +78,30 @@ def _read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 def _int8_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = tensor.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
     return torch.round(tensor.float() / scale).to(torch.int8), scale.squeeze(1)
+
+
+def _int4_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows rounded to -7..7 times an absmax scale per row, two per byte (low nibble first, odd rows padded)."""
+    scale = tensor.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 7
+    levels = (torch.round(tensor.float() / scale) + 8).to(torch.uint8)
+    if levels.shape[1] % 2:
+        levels = torch.cat([levels, levels.new_full((levels.shape[0], 1), 8)], dim=1)
+    return levels[:, 0::2] | (levels[:, 1::2] << 4), scale.squeeze(1)
+
+
+def _from_int4_rows(packed: torch.Tensor, scale: torch.Tensor, columns: int) -> torch.Tensor:
+    levels = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)[:, :columns]
+    return (levels.float() - 8) * scale[:, None]
+
+
+def _quantized_rows(tensor: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _int4_rows(tensor) if bits == 4 else _int8_rows(tensor)
+
+
+def _dequantized_rows(stored: dict, name: str, entry: dict) -> torch.Tensor:
+    if entry.get("bits", 8) == 4:
+        return _from_int4_rows(stored[name], stored[name + ".scale"], entry["shape"][1])
+    return stored[name].float() * stored[name + ".scale"][:, None]
 
 
 def _reference_name_map(config: dict) -> dict[str, str]:
@@ -118,6 +147,20 @@ class _Reference:
         with safe_open(self.files[name], "pt") as file:
             return file.get_tensor(name)
 
+    def draft_rows_base(self, tensor: torch.Tensor, draft_rows: torch.Tensor | None) -> str | None:
+        """The reference matrix a draft-vocabulary LM head started from (its rows `draft_rows`), when `tensor` is
+        still near those rows (changed by less than half its norm: a delta is then the cheaper exact-enough form);
+        else None."""
+        if draft_rows is None or tensor.dim() != 2 or tensor.shape[0] != draft_rows.shape[0]:
+            return None
+        for name in sorted(self.files):
+            shape = self.shape(name)
+            if len(shape) == 2 and shape[1] == tensor.shape[1] and shape[0] > int(draft_rows.max()):
+                change = tensor.float() - self.get(name).float()[draft_rows]
+                if change.norm() < 0.5 * tensor.float().norm():
+                    return name
+        return None
+
     def match_rows(self, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         """The reference matrix whose rows equal most of `tensor`'s rows bit for bit (in its dtype), and for each row
         the index of its copy there or -1; None when fewer than `MIN_REFERENCED_ROWS` of the rows are copies."""
@@ -144,31 +187,33 @@ class _Reference:
         return name, rows
 
 
-def pack(
-    model_dir: str | os.PathLike,
-    output_dir: str | os.PathLike,
+def pack_tensors(
+    state_dict: dict[str, torch.Tensor],
     reference: str | None = None,
+    config: dict | None = None,
     dtype: str = "int8",
-) -> Path:
-    """Writes `model_dir`'s checkpoint to `output_dir` in the compact form described in the module docstring.
-
-    `reference` is a zoo name (or a local checkpoint directory) whose tensors are stored by reference or as deltas;
-    without one every tensor is stored in `dtype` (`int8` rows or `bfloat16`).
-    """
+    delta_bits: int = 8,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors to store for `state_dict` in the compact form of the module docstring, and the manifest describing
+    them (without its `files`). `reference` is a zoo name or checkpoint directory whose tensors are stored by
+    reference or as deltas (int8 rows, or int4 with `delta_bits=4`); `config` (the checkpoint's, as a dict) maps a
+    pruned model's blocks to its parent's. Without a reference every matrix is stored in `dtype` (`int8` rows or
+    `bfloat16`)."""
     from .zoo import resolve_model_path
 
     if dtype not in PACK_DTYPES:
         raise ValueError(f"Unknown pack dtype {dtype!r}: choose one of {', '.join(PACK_DTYPES)}.")
-    model_dir, output_dir = Path(model_dir), require_empty_output_dir(output_dir)
-    state_dict = _read_state_dict(model_dir)
-    config = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() else {}
+    if delta_bits not in DELTA_BITS:
+        raise ValueError(f"delta_bits must be one of {DELTA_BITS}, got {delta_bits}.")
     ref = _Reference(Path(resolve_model_path(reference))) if reference is not None else None
-    layer_map = _reference_name_map(config)
+    layer_map = _reference_name_map(config or {})
     stored, entries = {}, {}
+    draft_rows = state_dict.get(DRAFT_ROWS)
     for name, tensor in state_dict.items():
         entry = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
         parent = _parent_name(name, layer_map)
         match = ref.match_rows(tensor) if ref is not None else None
+        head_base = ref.draft_rows_base(tensor, draft_rows) if ref is not None and match is None else None
         if match is not None:
             ref_name, rows = match
             entry.update(kind="ref", ref=ref_name, sha256=tensor_sha256(tensor))
@@ -178,8 +223,15 @@ def pack(
                 stored[name + ".patch"] = tensor[rows < 0].contiguous()
         elif (ref is not None and tensor.is_floating_point() and tensor.dim() == 2 and parent in ref.files
               and ref.shape(parent) == tuple(tensor.shape)):  # fmt: skip
-            stored[name], stored[name + ".scale"] = _int8_rows(tensor.float() - ref.get(parent).float())
-            entry.update(kind="delta", ref=parent, ref_sha256=tensor_sha256(ref.get(parent)))
+            stored[name], stored[name + ".scale"] = _quantized_rows(
+                tensor.float() - ref.get(parent).float(), delta_bits
+            )
+            entry.update(kind="delta", ref=parent, ref_sha256=tensor_sha256(ref.get(parent)), bits=delta_bits)
+        elif head_base is not None:
+            base = ref.get(head_base)
+            change = tensor.float() - base.float()[draft_rows]
+            stored[name], stored[name + ".scale"] = _quantized_rows(change, delta_bits)
+            entry.update(kind="delta", ref=head_base, ref_sha256=tensor_sha256(base), rows=DRAFT_ROWS, bits=delta_bits)
         elif tensor.is_floating_point() and tensor.dim() == 2 and dtype == "int8":
             stored[name], stored[name + ".scale"] = _int8_rows(tensor)
             entry["kind"] = "int8"
@@ -188,28 +240,56 @@ def pack(
         else:
             stored[name], entry["kind"] = tensor.contiguous(), "raw"
         entries[name] = entry
+    manifest = {"format": PACK_FORMAT, "reference": reference, "dtype": dtype, "delta_bits": delta_bits}
+    return stored, manifest | {"tensors": entries}
+
+
+def write_pack(output_dir: Path, stored: dict[str, torch.Tensor], manifest: dict) -> None:
+    """Writes `pack_tensors`' result (the manifest completed with its `files`) into `output_dir`."""
     output_dir.mkdir(parents=True, exist_ok=True)
     save_file(stored, output_dir / PACK_WEIGHTS, metadata={"format": f"osprey-pack-{PACK_FORMAT}"})
+    (output_dir / PACK_MANIFEST).write_text(json.dumps({"files": {}} | manifest, indent=1) + "\n")
+
+
+def pack(
+    model_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    reference: str | None = None,
+    dtype: str = "int8",
+    delta_bits: int = 8,
+) -> Path:
+    """Writes `model_dir`'s checkpoint to `output_dir` in the compact form described in the module docstring:
+    its tensors as `pack_tensors` stores them, its other files rebuilt from the reference or copied."""
+    model_dir, output_dir = Path(model_dir), require_empty_output_dir(output_dir)
+    config = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() else {}
+    stored, manifest = pack_tensors(_read_state_dict(model_dir), reference, config, dtype, delta_bits)
+    ref_dir = _reference_dir(manifest)
     files = {}
+    output_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as resaved:
         resaved = Path(resaved)
-        if ref is not None:
-            _save_reference_tokenizer(ref.directory, resaved)
+        if ref_dir is not None:
+            _save_reference_tokenizer(ref_dir, resaved)
         for path in sorted(model_dir.iterdir()):
             if not path.is_file() or path.name in WEIGHT_FILES or path.name.startswith("model-"):
                 continue
             digest = _file_sha256(path)
             if path.name == "optimizer.pt":
                 _strip_optimizer(path, output_dir / path.name)
-            elif ref is not None and _file_sha256(ref.directory / path.name) == digest:
+            elif ref_dir is not None and _file_sha256(ref_dir / path.name) == digest:
                 files[path.name] = {"sha256": digest, "from": "file"}  # taken from the reference at unpack
-            elif ref is not None and _file_sha256(resaved / path.name) == digest:
+            elif ref_dir is not None and _file_sha256(resaved / path.name) == digest:
                 files[path.name] = {"sha256": digest, "from": "tokenizer"}  # the reference's tokenizer, as saved
             else:
                 _copy_small(path, output_dir)
-    manifest = {"format": PACK_FORMAT, "reference": reference, "dtype": dtype, "tensors": entries, "files": files}
-    (output_dir / PACK_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    write_pack(output_dir, stored, manifest | {"files": files})
     return output_dir
+
+
+def _reference_dir(manifest: dict) -> Path | None:
+    from .zoo import resolve_model_path
+
+    return Path(resolve_model_path(manifest["reference"])) if manifest.get("reference") is not None else None
 
 
 def _copy_small(path: Path, output_dir: Path) -> None:
@@ -246,23 +326,13 @@ def _strip_optimizer(source: Path, destination: Path) -> None:
     torch.save({"state": {}, "param_groups": state["param_groups"]}, destination)
 
 
-def unpack(packed_dir: str | os.PathLike, output_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-    """Writes the ordinary checkpoint stored by `pack` in `packed_dir` to `output_dir` (each tensor in its original
-    dtype unless `dtype` is given); tensors stored by reference are rebuilt from the reference and checked."""
-    from .zoo import resolve_model_path
-
-    packed_dir, output_dir = Path(packed_dir), require_empty_output_dir(output_dir)
-    if not (packed_dir / PACK_MANIFEST).is_file():
-        raise ValueError(
-            f"{packed_dir} holds no {PACK_MANIFEST}: pass a directory written by `osprey pack --checkpoint`."
-        )
-    manifest = json.loads((packed_dir / PACK_MANIFEST).read_text())
-    if manifest["format"] != PACK_FORMAT:
-        raise ValueError(f"{packed_dir} is pack format {manifest['format']}; this osprey reads format {PACK_FORMAT}.")
-    stored = load_file(packed_dir / PACK_WEIGHTS)
+def read_pack(packed_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The state dict stored by `pack` / `write_pack` in `packed_dir`, each tensor in its original dtype; tensors
+    stored by reference are rebuilt from the reference and checked."""
+    manifest = _read_manifest(Path(packed_dir))
+    stored = load_file(Path(packed_dir) / PACK_WEIGHTS)
     kinds = {entry["kind"] for entry in manifest["tensors"].values()}
-    needs_reference = bool(manifest.get("files")) or not kinds.isdisjoint(("ref", "delta"))
-    ref = _Reference(Path(resolve_model_path(manifest["reference"]))) if needs_reference else None
+    ref = _Reference(_reference_dir(manifest)) if not kinds.isdisjoint(("ref", "delta")) else None
     state_dict = {}
     for name, entry in manifest["tensors"].items():
         original = getattr(torch, entry["dtype"])
@@ -278,12 +348,36 @@ def unpack(packed_dir: str | os.PathLike, output_dir: str | os.PathLike, dtype: 
         elif kind == "delta":
             base = ref.get(entry["ref"])
             _check(tensor_sha256(base), entry["ref_sha256"], name, manifest["reference"], entry["ref"])
-            tensor = (base.float() + stored[name].float() * stored[name + ".scale"][:, None]).to(original)
+            if "rows" in entry:  # an LM head over a draft vocabulary: the reference's rows of those ids
+                base = base[stored[entry["rows"]]]
+            tensor = (base.float() + _dequantized_rows(stored, name, entry)).to(original)
         elif kind == "int8":
             tensor = (stored[name].float() * stored[name + ".scale"][:, None]).to(original)
         else:
             tensor = stored[name].to(original)
-        state_dict[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+        state_dict[name] = tensor
+    return state_dict
+
+
+def _read_manifest(packed_dir: Path) -> dict:
+    if not (packed_dir / PACK_MANIFEST).is_file():
+        raise ValueError(
+            f"{packed_dir} holds no {PACK_MANIFEST}: pass a directory written by `osprey pack --checkpoint`."
+        )
+    manifest = json.loads((packed_dir / PACK_MANIFEST).read_text())
+    if manifest["format"] != PACK_FORMAT:
+        raise ValueError(f"{packed_dir} is pack format {manifest['format']}; this osprey reads format {PACK_FORMAT}.")
+    return manifest
+
+
+def unpack(packed_dir: str | os.PathLike, output_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+    """Writes the ordinary checkpoint stored by `pack` in `packed_dir` to `output_dir` (each tensor in its original
+    dtype unless `dtype` is given); tensors stored by reference are rebuilt from the reference and checked."""
+    packed_dir, output_dir = Path(packed_dir), require_empty_output_dir(output_dir)
+    manifest = _read_manifest(packed_dir)
+    state_dict = read_pack(packed_dir)
+    if dtype is not None:
+        state_dict = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state_dict.items()}
     output_dir.mkdir(parents=True, exist_ok=True)
     save_file(state_dict, output_dir / "model.safetensors", metadata={"format": "pt"})
     for path in sorted(packed_dir.iterdir()):
@@ -292,10 +386,11 @@ def unpack(packed_dir: str | os.PathLike, output_dir: str | os.PathLike, dtype: 
     with tempfile.TemporaryDirectory() as resaved:
         resaved = Path(resaved)
         files = manifest.get("files", {})
+        ref_dir = _reference_dir(manifest) if files else None
         if any(file["from"] == "tokenizer" for file in files.values()):
-            _save_reference_tokenizer(ref.directory, resaved)
+            _save_reference_tokenizer(ref_dir, resaved)
         for name, file in files.items():
-            source = (ref.directory if file["from"] == "file" else resaved) / name
+            source = (ref_dir if file["from"] == "file" else resaved) / name
             _check(_file_sha256(source), file["sha256"], name, manifest["reference"], name)
             shutil.copy2(source, output_dir / name)
     return output_dir

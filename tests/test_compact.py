@@ -165,3 +165,34 @@ def test_cli_pack_and_unpack(parent_dir, tmp_path, capsys):
     assert "written by `osprey pack --checkpoint`" in capsys.readouterr().err
     argv = ["pack", "--drafter", str(model_dir), "--output", str(tmp_path / "w"), "--reference", str(parent_dir)]
     assert main(argv) == 2 and "--reference applies to --checkpoint" in capsys.readouterr().err
+
+
+def test_a_trained_draft_head_is_a_delta_from_its_reference_rows_and_int4_halves_the_deltas(parent_dir, tmp_path):
+    """A converted drafter's LM head starts as the reference's rows of its `draft_to_target` ids; after training it is
+    stored as the change from those rows. With delta_bits=4 each change comes back within half an int4 step."""
+    embedding = load_file(parent_dir / "model.safetensors")["model.embed_tokens.weight"]
+    draft_to_target = torch.tensor([7, 2, 300, 41, 5, 511])
+    head = embedding[draft_to_target] + 0.05 * torch.randn(6, 64) * embedding[draft_to_target].abs().amax()
+    far = torch.randn(6, 64) * 100  # no longer near the rows it started from: stored whole
+    (tmp_path / "drafter").mkdir()
+    save_file({"lm_head.weight": head, "other_head.weight": far, "draft_to_target": draft_to_target},
+              str(tmp_path / "drafter" / "model.safetensors"))  # fmt: skip
+    sizes = {}
+    for bits in (8, 4):
+        packed = pack(tmp_path / "drafter", tmp_path / f"packed{bits}", reference=str(parent_dir), delta_bits=bits)
+        entries = json.loads((packed / PACK_MANIFEST).read_text())["tensors"]
+        assert entries["lm_head.weight"] | {"ref_sha256": None} == {
+            "dtype": "float32", "shape": [6, 64], "kind": "delta", "ref": "model.embed_tokens.weight",
+            "ref_sha256": None, "rows": "draft_to_target", "bits": bits,
+        }  # fmt: skip
+        assert entries["other_head.weight"]["kind"] == "int8"
+        restored = load_file(unpack(packed, tmp_path / f"restored{bits}") / "model.safetensors")
+        change = head - embedding[draft_to_target]
+        step = change.abs().amax(dim=1, keepdim=True) / (127 if bits == 8 else 7)
+        assert ((restored["lm_head.weight"] - head).abs() <= step / 2 + 1e-6).all()
+        assert not torch.equal(restored["lm_head.weight"], embedding[draft_to_target])
+        assert torch.equal(restored["draft_to_target"], draft_to_target)
+        sizes[bits] = load_file(packed / "packed.safetensors")["lm_head.weight"].numel()
+    assert sizes[4] * 2 == sizes[8]
+    with pytest.raises(ValueError, match="delta_bits must be one of"):
+        pack(tmp_path / "drafter", tmp_path / "packed2", reference=str(parent_dir), delta_bits=2)

@@ -172,3 +172,31 @@ def test_shipped_drafter_unpacks_and_drafts_for_its_target_without_the_package(s
     remote = decode_without_package(tmp_path / "unpacked", fetch(target_name), input_ids, 48, tmp_path)
     assert remote["target_name_or_path"] == "smollm2-135m-instruct" and remote["identical"]
     assert remote["new_tokens"] > remote["target_forwards"]
+
+
+def test_a_drafter_packed_against_the_model_it_was_made_from_loads_and_unpacks(saved, tmp_path):
+    """`osprey pack --drafter DIR --reference MODEL --delta-bits 4`: tensors copied from the reference are rebuilt
+    from it, changed ones come back within half an int4 step of their change; the pack loads wherever a drafter
+    directory is accepted and unpacks into a checkpoint that drafts with transformers alone."""
+    target_dir, drafter_dir = saved
+    drafter = load_drafter(drafter_dir)
+    head = drafter.lm_head.weight  # the near-copy drafter's head is the target's: "trained" a little here
+    with torch.no_grad():
+        head.add_(0.05 * head.abs().amax() * torch.randn(head.shape, generator=torch.Generator().manual_seed(0)))
+    drafter.save_pretrained(tmp_path / "trained")
+    packed = tmp_path / "packed"
+    command = ["pack", "--drafter", str(tmp_path / "trained"), "--output", str(packed)]
+    assert main([*command, "--reference", str(target_dir), "--delta-bits", "4"]) == 0
+    entry = json.loads((packed / "osprey_pack.json").read_text())["tensors"]["lm_head.weight"]
+    assert (entry["kind"], entry["ref"], entry["bits"]) == ("delta", "lm_head.weight", 4)
+    loaded = load_drafter(packed)
+    assert type(loaded).__module__ == INSTALLED_MODULE
+    target_head = load_drafter(drafter_dir).lm_head.weight  # as saved: a copy of the target's
+    change = head - target_head
+    step = change.abs().amax(dim=1, keepdim=True) / 7
+    assert ((loaded.lm_head.weight - head).abs() <= step / 2 + 1e-6).all()
+    assert not torch.equal(loaded.lm_head.weight, target_head)
+    assert main(["unpack", "--drafter", str(packed), "--output", str(tmp_path / "unpacked")]) == 0
+    input_ids = torch.randint(6, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    remote = decode_without_package(tmp_path / "unpacked", target_dir, input_ids, 20, tmp_path)
+    assert remote["identical"] and remote["new_tokens"] / remote["target_forwards"] > 1.5
