@@ -76,6 +76,7 @@ class BenchMethod:
     lookup: bool = False
     drafter_dir: str | None = None
     tree_shape: tuple[int, int | None] | None = None  # (draft_topk, tree_size) of this method, else the settings'
+    lookup_num_tokens: int | None = None  # this method's prompt-lookup branch, else the settings'
 
     def __post_init__(self):
         if self.route not in ROUTES:
@@ -92,7 +93,7 @@ class BenchMethod:
         topk, size = self.tree_shape or (settings.draft_topk, settings.tree_size)
         shape = dict(draft_topk=topk, tree_size=size) if self.tree else {}
         if self.lookup:
-            shape["prompt_lookup_num_tokens"] = settings.prompt_lookup_num_tokens
+            shape["prompt_lookup_num_tokens"] = self.lookup_num_tokens or settings.prompt_lookup_num_tokens
         if self.drafter is not None and self.route == "standalone":
             generator = torch.Generator(device=input_ids.device).manual_seed(request_seed)
             return speculative_generate(

@@ -1,9 +1,15 @@
-"""`osprey demo`: the main job on an embedded default. A trained Osprey drafter ships inside the package, packed
-(int8 rows, under 50 MB, `osprey.pack`); the demo fetches the target it names from the zoo and decodes a few prompts
-of several categories and languages with the drafter and with the target alone, in one process, printing τ and the
-speedup. `--drafter` runs any other drafter (packed or not) instead.
+"""`osprey demo`: the main job on an embedded default. Trained Osprey drafters ship inside the package, packed under
+50 MB (`osprey.pack`): for Qwen2.5-Coder-1.5B-Instruct (the default; its 2-block Qwen2.5-Coder-0.5B backbone packed
+against that zoo model) and for the SmolLM2-135M-Instruct pilot (`--target smollm2-135m-instruct`). The demo fetches
+the target (and the packed drafter's reference model) from the zoo on first use, then decodes a few prompts of several
+categories and languages with the drafter and with the target alone, in one process, printing τ and the speedup with
+the decoding settings measured best for that drafter on held-out prompts. `--drafter` runs any other drafter (packed
+or not) instead.
 """
 
+import json
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -11,12 +17,39 @@ import torch
 from .bench import BenchMethod, BenchSettings, run_benchmark
 from .bench_report import markdown_table, save_report
 from .bench_suites import BenchPrompt
+from .compact import PACK_MANIFEST
 from .pack import load_drafter
-from .zoo import load_causal_lm, load_tokenizer
+from .zoo import ZOO, is_cached, load_causal_lm, load_tokenizer
 
 DEMO_DRAFTER_DIR = Path(__file__).parent / "demo_drafter"
+QWEN_DEMO_DRAFTER_DIR = Path(__file__).parent / "demo_drafter_qwen"
 # Early stop after an unsure draft: on the pilot it kept 98% of τ for a quarter of the draft steps (docs/results.md).
 DEMO_CONFIDENCE_THRESHOLD = 0.3
+
+
+@dataclass(frozen=True)
+class DemoChoice:
+    """A shipped drafter and how the demo decodes with it: dtype and `BenchSettings` fields, measured."""
+
+    drafter_dir: Path
+    dtype: str = "float32"
+    settings: dict = field(default_factory=dict)
+
+
+DEMO_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEMOS = {
+    # Tree of depth 5, branching 3, 6 nodes, plus a prompt-lookup branch of 8: the best tokens/s of a grid on eight
+    # held-out ShareGPT prompts (benchmarks/results/tree-defaults/qwen2.5-coder-1.5b-instruct.json).
+    "qwen2.5-coder-1.5b-instruct": DemoChoice(
+        QWEN_DEMO_DRAFTER_DIR,
+        "bfloat16",
+        dict(num_draft_tokens=5, draft_topk=3, tree_size=6, prompt_lookup_num_tokens=8),
+    ),
+    "smollm2-135m-instruct": DemoChoice(
+        DEMO_DRAFTER_DIR, settings=dict(confidence_threshold=DEMO_CONFIDENCE_THRESHOLD)
+    ),
+}
+SETTING_FLAGS = ("num_draft_tokens", "draft_topk", "tree_size", "prompt_lookup_num_tokens", "confidence_threshold")
 
 # Written for this demo: short, one per category, several languages.
 DEMO_PROMPTS = [
@@ -41,47 +74,96 @@ DEMO_PROMPTS = [
 
 
 def run_demo(
-    target_name: str | None,
-    drafter_dir,
-    max_new_tokens: int,
-    dtype: torch.dtype,
-    confidence_threshold: float,
+    target_name: str | None = None,
+    drafter_dir=None,
+    max_new_tokens: int = 96,
+    dtype: torch.dtype | None = None,
     output=None,
+    **overrides,
 ) -> dict:
-    """Decodes `DEMO_PROMPTS` with the target alone and with the drafter; returns `run_benchmark`'s results. The
-    target defaults to the one the drafter records (`target_name_or_path`)."""
-    drafter = load_drafter(drafter_dir, dtype)
+    """Decodes `DEMO_PROMPTS` with the target alone and with the drafter; returns `run_benchmark`'s results.
+
+    Without `drafter_dir` the drafter shipped for `target_name` (default `DEMO_TARGET`) runs with its measured
+    settings (`DEMOS`); a given drafter decodes for the target it records unless `target_name` says otherwise, with
+    chains stopping early. `overrides` (`SETTING_FLAGS`, None = the default) change the decoding settings."""
+    if drafter_dir is None:
+        target_name = target_name or DEMO_TARGET
+        if target_name not in DEMOS:
+            raise ValueError(
+                f"No drafter ships for {target_name!r} (shipped: {', '.join(DEMOS)}): pass --drafter DIR, one made "
+                "for it with `osprey convert` and `osprey distill`."
+            )
+        choice = DEMOS[target_name]
+    else:
+        choice = DemoChoice(Path(drafter_dir), settings=dict(confidence_threshold=DEMO_CONFIDENCE_THRESHOLD))
+    dtype = dtype or getattr(torch, choice.dtype)
+    _announce_fetches(choice.drafter_dir, target_name)
+    drafter = load_drafter(choice.drafter_dir, dtype)
     target_name = target_name or drafter.config.target_name_or_path
     if not target_name:
-        raise ValueError(f"{drafter_dir} does not record the target it was converted for: pass --target.")
+        raise ValueError(f"{choice.drafter_dir} does not record the target it was converted for: pass --target.")
+    _announce_fetches(None, target_name)
     target, tokenizer = load_causal_lm(target_name, dtype=dtype).eval(), load_tokenizer(target_name)
     drafter.config.check_target(target, name_or_path=target_name)
-    methods = [BenchMethod("target", "target"), BenchMethod("osprey", f"drafter:{drafter_dir}", drafter=drafter)]
-    settings = BenchSettings(max_new_tokens=max_new_tokens, confidence_threshold=confidence_threshold)
-    results = run_benchmark(
-        target, tokenizer, methods, DEMO_PROMPTS, settings, output_path=output, target_name=target_name
+    chosen = choice.settings | {name: value for name, value in overrides.items() if value is not None}
+    if chosen.get("draft_topk", 1) > 1 or chosen.get("prompt_lookup_num_tokens", 0) > 0:
+        chosen.setdefault("confidence_threshold", 0.0)  # early stop is for chains; a tree is pruned by its size
+        if overrides.get("confidence_threshold") is None:
+            chosen["confidence_threshold"] = 0.0
+    settings = BenchSettings(max_new_tokens=max_new_tokens, **chosen)
+    osprey = BenchMethod(
+        "osprey",
+        f"drafter:{choice.drafter_dir}",
+        drafter=drafter,
+        tree=settings.draft_topk > 1,
+        lookup=settings.prompt_lookup_num_tokens > 0,
     )
+    results = run_benchmark(
+        target, tokenizer, [BenchMethod("target", "target"), osprey], DEMO_PROMPTS, settings, output_path=output,
+        target_name=target_name,
+    )  # fmt: skip
     if output is not None:
         save_report(results, Path(output))
     return results
 
 
+def _announce_fetches(drafter_dir: Path | None, target_name: str | None) -> None:
+    """Says which zoo models the first run builds (minutes each on 2 cores): the target, and the model a drafter
+    packed against a reference rebuilds its frozen tensors from."""
+    names = [target_name] if drafter_dir is None else []
+    if drafter_dir is not None and (Path(drafter_dir) / PACK_MANIFEST).is_file():
+        names.append(json.loads((Path(drafter_dir) / PACK_MANIFEST).read_text()).get("reference"))
+    for name in names:
+        if name in ZOO and not is_cached(name):
+            print(f"Fetching {name} from the model zoo (first run only; ~1-3 min on 2 cores) ...", file=sys.stderr)
+
+
 def add_subcommand(subparsers) -> None:
     """Adds `osprey demo` to the CLI (see `osprey.cli`)."""
     parser = subparsers.add_parser(
-        "demo", help="speculative decoding with the packaged trained drafter vs. plain decoding: τ and speedup"
+        "demo", help="speculative decoding with a packaged trained drafter vs. plain decoding: τ and speedup"
     )
-    parser.add_argument("--target", help="zoo name, directory or Hub id (default: the target the drafter names)")
     parser.add_argument(
-        "--drafter", default=str(DEMO_DRAFTER_DIR), help="drafter directory (default: the packaged one)"
+        "--target",
+        help=f"zoo name, directory or Hub id (default: {DEMO_TARGET}, or the target --drafter names); shipped "
+        f"drafters: {', '.join(DEMOS)}",
     )
+    parser.add_argument("--drafter", help="drafter directory (default: the one shipped for the target)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the shipped drafter's (or float32)")
+    parser.add_argument(
+        "--num-draft-tokens", type=int, help="chain length / tree depth (default: measured per drafter)"
+    )
+    parser.add_argument("--draft-topk", type=int, help="tree branching, 1 for chains (default: measured per drafter)")
+    parser.add_argument("--tree-size", type=int, help="draft tree nodes verified per step (default: measured)")
+    parser.add_argument(
+        "--prompt-lookup-num-tokens", type=int, help="prompt-lookup branch length, 0 for none (default: measured)"
+    )
     parser.add_argument(
         "--confidence-threshold",
         type=float,
-        default=DEMO_CONFIDENCE_THRESHOLD,
-        help="end a draft chain after a draft the drafter gave less than this probability (0: full chains of 5)",
+        help=f"end a draft chain after a draft below this probability (default: {DEMO_CONFIDENCE_THRESHOLD} for "
+        "chains, 0 for trees)",
     )
     parser.add_argument("--output", help="also save the results JSON (and .md, .png) here")
     parser.set_defaults(run=_run_demo)
@@ -92,9 +174,9 @@ def _run_demo(args) -> int:
         args.target,
         args.drafter,
         args.max_new_tokens,
-        getattr(torch, args.dtype),
-        args.confidence_threshold,
+        getattr(torch, args.dtype) if args.dtype else None,
         args.output,
+        **{name: getattr(args, name) for name in SETTING_FLAGS},
     )
     print(markdown_table(results))
     return 0

@@ -164,7 +164,8 @@ def test_cli_pack_and_unpack(parent_dir, tmp_path, capsys):
     assert main(["unpack", "--checkpoint", str(model_dir), "--output", str(tmp_path / "v")]) == 2
     assert "written by `osprey pack --checkpoint`" in capsys.readouterr().err
     argv = ["pack", "--drafter", str(model_dir), "--output", str(tmp_path / "w"), "--reference", str(parent_dir)]
-    assert main(argv) == 2 and "--reference applies to --checkpoint" in capsys.readouterr().err
+    assert main(argv) == 2 and "not an Osprey drafter" in capsys.readouterr().err  # --drafter packs drafters only
+    assert not (tmp_path / "w").exists()
 
 
 def test_a_trained_draft_head_is_a_delta_from_its_reference_rows_and_int4_halves_the_deltas(parent_dir, tmp_path):

@@ -103,7 +103,7 @@ def test_packaged_drafter_drafts_for_the_real_target(smollm2_cache, monkeypatch,
     target's own, and the packaged drafter's drafts are accepted."""
     monkeypatch.setenv("OSPREY_HOME", str(smollm2_cache))
     output = tmp_path / "demo.json"
-    assert main(["demo", "--max-new-tokens", "24", "--output", str(output)]) == 0
+    assert main(["demo", "--target", "smollm2-135m-instruct", "--max-new-tokens", "24", "--output", str(output)]) == 0
     results = json.loads(output.read_text())
     outputs = {(row["method"], row["prompt_id"]): row["output_sha256"] for row in results["requests"]}
     assert all(outputs["osprey", p.prompt_id] == outputs["target", p.prompt_id] for p in DEMO_PROMPTS)
