@@ -407,15 +407,17 @@ def _stream_osprey(request: _Request):
 
 def tree_html(tokenizer, step) -> str:
     """The draft tree a verification step verified, as nested lists, each node's token with its draft probability
-    (along the path); the accepted path is marked (green, bold) and the target's own next token follows it."""
+    (along the path; `lookup` for a prompt-lookup node); the accepted path is marked (green, bold) and the target's
+    own next token follows it."""
     tree, accepted = step.tree, set(step.accepted_nodes)
 
     def node_html(node: int) -> str:
         token = html.escape(repr(tokenizer.decode([int(tree.tokens[node])]))[1:-1]) or "&nbsp;"
         style = "color:#047857;font-weight:bold" if node in accepted else "color:#6b7280"
-        probability = math.exp(tree.cumulative_log_probs[node])
+        log_probability = tree.cumulative_log_probs[node]  # -inf: a prompt-lookup node, not drafted by the drafter
+        source = "lookup" if log_probability == float("-inf") else f"{math.exp(log_probability):.2f}"
         children = "".join(node_html(child) for child in tree.children(node))
-        label = f'<span style="{style}"><code>{token}</code> {probability:.2f}</span>'
+        label = f'<span style="{style}"><code>{token}</code> {source}</span>'
         return f"<li>{label}{f'<ul>{children}</ul>' if children else ''}</li>"
 
     own = step.emitted[0, step.accepted :].tolist()

@@ -12,7 +12,7 @@ from test_decoding import plain_greedy, prompt
 from osprey import OspreyForDrafting
 from osprey.cli import main
 from osprey.decode import speculative_generate
-from osprey.demo import DEMO_CONFIDENCE_THRESHOLD, DEMO_DRAFTER_DIR, DEMO_PROMPTS
+from osprey.demo import DEMO_CONFIDENCE_THRESHOLD, DEMO_DRAFTER_DIR, DEMO_PROMPTS, DEMO_TARGET, DEMOS
 from osprey.pack import PACKED_WEIGHTS, load_drafter, pack_drafter
 
 
@@ -88,10 +88,15 @@ def test_pack_and_demo_refuse_bad_input(packed, tmp_path, capsys):
     assert "osprey unpack" in capsys.readouterr().err
 
 
-def test_packaged_drafter_is_small_names_its_target_and_loads():
+def test_packaged_drafters_are_small_name_their_targets_and_load():
+    for target_name, choice in DEMOS.items():  # every drafter the package ships, under the 50 MB a product may take
+        files = {path.name: path.stat().st_size for path in choice.drafter_dir.iterdir()}
+        assert "README.md" in files and "config.json" in files and sum(files.values()) <= 50 * 2**20, target_name
+        config = json.loads((choice.drafter_dir / "config.json").read_text())
+        assert config["target_name_or_path"] == target_name
+    assert DEMO_TARGET in DEMOS
     files = {path.name: path.stat().st_size for path in DEMO_DRAFTER_DIR.iterdir()}
-    assert PACKED_WEIGHTS in files and "README.md" in files
-    assert sum(files.values()) <= 50 * 2**20
+    assert PACKED_WEIGHTS in files
     drafter = load_drafter(DEMO_DRAFTER_DIR)
     assert drafter.config.target_name_or_path == "smollm2-135m-instruct" and drafter.config.vocab_size == 49152
     assert drafter.config.draft_vocab_size < drafter.config.vocab_size

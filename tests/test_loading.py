@@ -200,3 +200,20 @@ def test_a_drafter_packed_against_the_model_it_was_made_from_loads_and_unpacks(s
     input_ids = torch.randint(6, 100, (1, 8), generator=torch.Generator().manual_seed(0))
     remote = decode_without_package(tmp_path / "unpacked", target_dir, input_ids, 20, tmp_path)
     assert remote["identical"] and remote["new_tokens"] / remote["target_forwards"] > 1.5
+
+
+@pytest.mark.network
+def test_shipped_qwen_drafter_unpacks_and_drafts_for_its_target_without_the_package(tmp_path):
+    """The same bar for the drafter `osprey demo` runs by default, packed against its zoo backbone: unpacking rebuilds
+    its frozen tensors from qwen2.5-coder-0.5b-instruct (checked by SHA-256), and the checkpoint drafts for the
+    1.5B target with transformers alone, token-identically (float32), more than one token per target forward."""
+    from osprey.demo import QWEN_DEMO_DRAFTER_DIR
+    from osprey.zoo import fetch, load_tokenizer
+
+    assert main(["unpack", "--drafter", str(QWEN_DEMO_DRAFTER_DIR), "--output", str(tmp_path / "unpacked")]) == 0
+    target_name = load_drafter(tmp_path / "unpacked").config.target_name_or_path
+    assert target_name == "qwen2.5-coder-1.5b-instruct"
+    input_ids = encode_prompt(load_tokenizer(target_name), "Write a Python function that reverses a string.")
+    remote = decode_without_package(tmp_path / "unpacked", fetch(target_name), input_ids, 32, tmp_path)
+    assert remote["target_name_or_path"] == target_name and remote["identical"]
+    assert remote["new_tokens"] > 1.3 * remote["target_forwards"]
