@@ -34,7 +34,8 @@ from .target_features import TargetFeatureCapture
 
 # Trees on a CPU: its verification forward is compute-bound (SmolLM2-135M on a shared 2-core machine: 53 ms for 1
 # token, 240 ms for 6), so small trees pay; picked on held-out prompts (benchmarks/results/tree-defaults/smollm2.json:
-# draft_topk 3, tree_size 4 had the best tokens/s of a 2..3 x 4..12 grid). On accelerators verification is
+# draft_topk 3, tree_size 4 had the best tokens/s of a 2..3 x 4..12 grid; Qwen2.5-Coder-1.5B in bf16 chose the same
+# over 8 nodes, benchmarks/results/tree-defaults/qwen2.5-coder-1.5b-instruct.json). On accelerators verification is
 # memory-bound and wide trees are nearly free: there the default is `num_draft_tokens * draft_topk` nodes.
 CPU_DRAFT_TOPK, CPU_TREE_SIZE = 3, 4
 
