@@ -508,33 +508,35 @@ def misreport_tree_proposals(monkeypatch):
     monkeypatch.setattr(generation_osprey.DraftTree, "proposal", as_if_sampled)
 
 
-@pytest.mark.parametrize("honest", [True, False], ids=["honest", "misreported_proposal_control"])
-def test_tree_speculative_sampling_matches_the_target_distribution(sampling_pair, honest, monkeypatch):
-    target, drafter = sampling_pair
-    if not honest:
-        misreport_tree_proposals(monkeypatch)
-    input_ids, temperature = torch.tensor([[3, 7, 5]]), 1.5
+SAMPLING_PROMPT, SAMPLING_TEMPERATURE = torch.tensor([[3, 7, 5]]), 1.5
+
+
+def check_second_token_distribution(target, drafter, honest: bool, what: str, **decoding) -> None:
+    """Samples 3 tokens `SAMPLES` times with `speculative_generate(..., **decoding)` and checks the second one's
+    distribution against the exact target distribution: it must fit when `honest`, and be caught otherwise."""
+    input_ids, temperature = SAMPLING_PROMPT, SAMPLING_TEMPERATURE
     torch.manual_seed(4321)
 
     def generate_once():
         output, _ = speculative_generate(
-            target,
-            drafter,
-            input_ids,
-            max_new_tokens=3,
-            do_sample=True,
-            temperature=temperature,
-            draft_topk=3,
-            tree_size=6,
+            target, drafter, input_ids, max_new_tokens=3, do_sample=True, temperature=temperature, **decoding
         )
         return output[0, input_ids.shape[1] + 1]
 
     counts = second_token_counts(generate_once, SAMPLES, target.config.vocab_size)
     pvalue = chi_square_pvalue(counts, exact_second_token_distribution(target, input_ids, temperature))
     if honest:
-        assert pvalue > 1e-3, f"tree speculative sampling is biased (p={pvalue:.2e})"
+        assert pvalue > 1e-3, f"{what} is biased (p={pvalue:.2e})"
     else:
         assert pvalue < 1e-6, f"the control was not caught (p={pvalue:.2e}): the test has no power"
+
+
+@pytest.mark.parametrize("honest", [True, False], ids=["honest", "misreported_proposal_control"])
+def test_tree_speculative_sampling_matches_the_target_distribution(sampling_pair, honest, monkeypatch):
+    target, drafter = sampling_pair
+    if not honest:
+        misreport_tree_proposals(monkeypatch)
+    check_second_token_distribution(target, drafter, honest, "tree speculative sampling", draft_topk=3, tree_size=6)
 
 
 def test_bad_tree_settings_are_refused():
@@ -699,33 +701,19 @@ def test_sampling_with_a_prompt_lookup_branch_matches_the_target_distribution(
     sampling_pair, draft_topk, honest, monkeypatch
 ):
     target, drafter = sampling_pair
-    input_ids, temperature = torch.tensor([[3, 7, 5]]), 1.5
-    exact = exact_second_token_distribution(target, input_ids, temperature)
+    exact = exact_second_token_distribution(target, SAMPLING_PROMPT, SAMPLING_TEMPERATURE)
     # The branch every step gets: the second token's likeliest value, then another (lookup's own matches are rare
     # in a 3-token prompt; what is under test is how verification treats the branch).
     branch = [int(exact.argmax()), int(exact.argsort()[-2])]
     monkeypatch.setattr(decoding_osprey, "prompt_lookup", lambda sequence, num_tokens: branch[:num_tokens])
     if not honest:
         misreport_lookup_proposals(monkeypatch)
-    torch.manual_seed(4321)
-
-    def generate_once():
-        output, _ = speculative_generate(
-            target,
-            drafter,
-            input_ids,
-            max_new_tokens=3,
-            do_sample=True,
-            temperature=temperature,
-            draft_topk=draft_topk,
-            tree_size=4,
-            prompt_lookup_num_tokens=2,
-        )
-        return output[0, input_ids.shape[1] + 1]
-
-    counts = second_token_counts(generate_once, SAMPLES, target.config.vocab_size)
-    pvalue = chi_square_pvalue(counts, exact)
-    if honest:
-        assert pvalue > 1e-3, f"sampling with a lookup branch is biased (p={pvalue:.2e})"
-    else:
-        assert pvalue < 1e-6, f"the control was not caught (p={pvalue:.2e}): the test has no power"
+    check_second_token_distribution(
+        target,
+        drafter,
+        honest,
+        "sampling with a lookup branch",
+        draft_topk=draft_topk,
+        tree_size=4,
+        prompt_lookup_num_tokens=2,
+    )
