@@ -107,10 +107,9 @@ def run_demo(
     target, tokenizer = load_causal_lm(target_name, dtype=dtype).eval(), load_tokenizer(target_name)
     drafter.config.check_target(target, name_or_path=target_name)
     chosen = choice.settings | {name: value for name, value in overrides.items() if value is not None}
-    if chosen.get("draft_topk", 1) > 1 or chosen.get("prompt_lookup_num_tokens", 0) > 0:
-        chosen.setdefault("confidence_threshold", 0.0)  # early stop is for chains; a tree is pruned by its size
-        if overrides.get("confidence_threshold") is None:
-            chosen["confidence_threshold"] = 0.0
+    drafts_trees = chosen.get("draft_topk", 1) > 1 or chosen.get("prompt_lookup_num_tokens", 0) > 0
+    if drafts_trees and overrides.get("confidence_threshold") is None:
+        chosen["confidence_threshold"] = 0.0  # early stop is for chains; a tree is pruned by its size
     settings = BenchSettings(max_new_tokens=max_new_tokens, **chosen)
     osprey = BenchMethod(
         "osprey",
@@ -119,10 +118,10 @@ def run_demo(
         tree=settings.draft_topk > 1,
         lookup=settings.prompt_lookup_num_tokens > 0,
     )
+    methods = [BenchMethod("target", "target"), osprey]
     results = run_benchmark(
-        target, tokenizer, [BenchMethod("target", "target"), osprey], DEMO_PROMPTS, settings, output_path=output,
-        target_name=target_name,
-    )  # fmt: skip
+        target, tokenizer, methods, DEMO_PROMPTS, settings, output_path=output, target_name=target_name
+    )
     if output is not None:
         save_report(results, Path(output))
     return results

@@ -68,6 +68,23 @@ def test_demo_cli_runs_the_target_the_drafter_names(packed, tmp_path, capsys):
     assert "| osprey |" in printed and "| target |" in printed
 
 
+def test_demo_flags_override_the_drafting_shape(packed, tmp_path, capsys):
+    output = tmp_path / "demo" / "results.json"
+    shape = ["--draft-topk", "2", "--tree-size", "3", "--prompt-lookup-num-tokens", "4"]
+    assert (
+        main(["demo", "--drafter", str(tmp_path / "packed"), "--max-new-tokens", "8", *shape, "--output", str(output)])
+        == 0
+    )
+    results = json.loads(output.read_text())
+    settings = results["settings"]
+    assert (settings["draft_topk"], settings["tree_size"], settings["prompt_lookup_num_tokens"]) == (2, 3, 4)
+    assert settings["confidence_threshold"] == 0  # early stop is for chains
+    outputs = {(row["method"], row["prompt_id"]): row["output_sha256"] for row in results["requests"]}
+    assert all(outputs["osprey", p.prompt_id] == outputs["target", p.prompt_id] for p in DEMO_PROMPTS)  # float32
+    assert main(["demo", "--target", "gemma-3-270m"]) == 2
+    assert "No drafter ships for 'gemma-3-270m'" in capsys.readouterr().err
+
+
 def test_pack_and_demo_refuse_bad_input(packed, tmp_path, capsys):
     _, drafter, _ = packed
     assert drafter.config.target_name_or_path is None  # built in memory: no recorded target
