@@ -81,7 +81,8 @@ def _int8_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _int4_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows rounded to -7..7 times an absmax scale per row, two per byte (low nibble first, odd rows padded)."""
+    """Rows rounded to -7..7 times an absmax scale per row, two per byte (low nibble first; a row of odd length is
+    padded)."""
     scale = tensor.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 7
     levels = (torch.round(tensor.float() / scale) + 8).to(torch.uint8)
     if levels.shape[1] % 2:
