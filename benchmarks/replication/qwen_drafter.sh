@@ -70,7 +70,7 @@ features "$OUT/features-240" --max-examples 240
 distill benchmarks/replication/distill-qwen-q05b-epoch1.yaml "$OUT/osprey-init" "$OUT/round1-epoch1" "$OUT/features-240"
 distill benchmarks/replication/distill-qwen-q05b-epochs2-3.yaml "$OUT/round1-epoch1" "$OUT/round1" \
   "$OUT/features-240" --seed 1
-features "$OUT/features-816"
+features "$OUT/features-816" --max-examples 816  # the first 816: what round 2 saw (more are committed now)
 distill benchmarks/replication/distill-qwen-q05b-regen816.yaml "$OUT/round1" "$OUT/drafter" "$OUT/features-816"
 [ -d "$OUT/packed" ] || $OSPREY pack --drafter "$OUT/drafter" --reference $BACKBONE_PARENT --delta-bits 4 \
   --output "$OUT/packed"
