@@ -153,14 +153,15 @@ def decode(
             on_step(None, sequence)
         state = DraftState()
         while not stop and new_tokens < max_new_tokens and not _ends_with(sequence, eos_ids):
-            budget = min(num_draft_tokens, max_new_tokens - new_tokens - 1)
+            room = max_new_tokens - new_tokens - 1  # tokens a step may draft: its own token takes the last place
+            budget = min(num_draft_tokens, room)
             if (draft_topk > 1 or prompt_lookup_num_tokens > 0) and budget > 0:
                 tree = draft_tree(
                     drafter, state, sequence, features, budget, draft_topk, tree_size, processors, eos_ids
                 )
                 if prompt_lookup_num_tokens > 0:
-                    room = min(prompt_lookup_num_tokens, max_new_tokens - new_tokens - 1)
-                    tree = add_branch(tree, prompt_lookup(sequence, room), drafter.config.vocab_size)
+                    lookup = prompt_lookup(sequence, min(prompt_lookup_num_tokens, room))
+                    tree = add_branch(tree, lookup, drafter.config.vocab_size)
                 step, features = _verify_tree(target, cache, capture, sequence, tree, processors, do_sample, generator)
             else:
                 step, features = _verify_chain(

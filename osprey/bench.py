@@ -26,12 +26,12 @@ import torch
 from tqdm.auto import tqdm
 
 from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
-from modeling_osprey.decoding_osprey import CUSTOM_GENERATE_DIR, default_tree_size
+from modeling_osprey.decoding_osprey import default_tree_size
 
 from .bench_report import save_report, summarize
 from .bench_suites import SUITES, BenchPrompt, load_suite, select_subset
 from .decode import add_decoding_arguments, encode_prompt, speculative_generate, target_generate
-from .pack import load_drafter
+from .pack import custom_generate_folder, load_drafter
 
 RESULTS_FORMAT = 1
 
@@ -404,13 +404,7 @@ def load_method(name: str, spec: str, tokenizer, dtype: torch.dtype, device: str
     if kind in drafter_kinds:
         route, tree, lookup = drafter_kinds[kind]
         drafter = load_drafter(argument, dtype, device)
-        folder = Path(drafter.name_or_path)
-        if route == "custom" and not (folder / CUSTOM_GENERATE_DIR / "generate.py").is_file():
-            raise ValueError(
-                f"{argument} has no {CUSTOM_GENERATE_DIR}/generate.py for the custom route: it was saved before "
-                "drafters carried it, or is packed. Save it again (`osprey unpack --drafter DIR --output NEW_DIR`, or "
-                "`load_drafter(DIR).save_pretrained(NEW_DIR)`) and bench NEW_DIR."
-            )
+        folder = custom_generate_folder(drafter, argument) if route == "custom" else drafter.name_or_path
         return BenchMethod(name, spec, drafter=drafter, route=route, tree=tree, lookup=lookup, drafter_dir=str(folder))
     if kind == "pld":
         return BenchMethod(name, spec, prompt_lookup_num_tokens=int(argument or 10))

@@ -330,7 +330,7 @@ def _strip_optimizer(source: Path, destination: Path) -> None:
 def read_pack(packed_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The state dict stored by `pack` / `write_pack` in `packed_dir`, each tensor in its original dtype; tensors
     stored by reference are rebuilt from the reference and checked."""
-    manifest = _read_manifest(Path(packed_dir))
+    manifest = read_manifest(Path(packed_dir))
     stored = load_file(Path(packed_dir) / PACK_WEIGHTS)
     kinds = {entry["kind"] for entry in manifest["tensors"].values()}
     ref = _Reference(_reference_dir(manifest)) if not kinds.isdisjoint(("ref", "delta")) else None
@@ -360,7 +360,8 @@ def read_pack(packed_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state_dict
 
 
-def _read_manifest(packed_dir: Path) -> dict:
+def read_manifest(packed_dir: Path) -> dict:
+    """The manifest `pack` wrote in `packed_dir` (what each tensor is stored as, and the reference), checked."""
     if not (packed_dir / PACK_MANIFEST).is_file():
         raise ValueError(
             f"{packed_dir} holds no {PACK_MANIFEST}: pass a directory written by `osprey pack --checkpoint`."
@@ -375,7 +376,7 @@ def unpack(packed_dir: str | os.PathLike, output_dir: str | os.PathLike, dtype: 
     """Writes the ordinary checkpoint stored by `pack` in `packed_dir` to `output_dir` (each tensor in its original
     dtype unless `dtype` is given); tensors stored by reference are rebuilt from the reference and checked."""
     packed_dir, output_dir = Path(packed_dir), require_empty_output_dir(output_dir)
-    manifest = _read_manifest(packed_dir)
+    manifest = read_manifest(packed_dir)
     state_dict = read_pack(packed_dir)
     if dtype is not None:
         state_dict = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state_dict.items()}

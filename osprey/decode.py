@@ -36,6 +36,13 @@ class SpeculativeStats:
     verified_per_step: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0
 
+    def add_step(self, step: DecodingStep) -> None:
+        """Counts one verification step of the loop."""
+        self.new_tokens += step.emitted.shape[1]
+        self.accepted_per_step.append(step.accepted)
+        self.drafted_per_step.append(step.drafted)
+        self.verified_per_step.append(step.drafted if step.tree is None else step.tree.num_nodes)
+
     @property
     def verify_steps(self) -> int:
         return len(self.accepted_per_step)
@@ -124,10 +131,7 @@ def speculative_generate(
             if on_tokens is not None:
                 on_tokens(sequence[:, -1:], None)
             return
-        stats.new_tokens += step.emitted.shape[1]
-        stats.accepted_per_step.append(step.accepted)
-        stats.drafted_per_step.append(step.drafted)
-        stats.verified_per_step.append(step.drafted if step.tree is None else step.tree.num_nodes)
+        stats.add_step(step)
         if on_tokens is not None:
             on_tokens(step.emitted, step.accepted)
         if on_step is not None:

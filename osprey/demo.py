@@ -7,7 +7,6 @@ the decoding settings measured best for that drafter on held-out prompts. `--dra
 or not) instead.
 """
 
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 from .bench import BenchMethod, BenchSettings, run_benchmark
 from .bench_report import markdown_table, save_report
 from .bench_suites import BenchPrompt
-from .compact import PACK_MANIFEST
+from .compact import PACK_MANIFEST, read_manifest
 from .pack import load_drafter
 from .zoo import ZOO, is_cached, load_causal_lm, load_tokenizer
 
@@ -132,7 +131,7 @@ def _announce_fetches(drafter_dir: Path | None, target_name: str | None) -> None
     packed against a reference rebuilds its frozen tensors from."""
     names = [target_name] if drafter_dir is None else []
     if drafter_dir is not None and (Path(drafter_dir) / PACK_MANIFEST).is_file():
-        names.append(json.loads((Path(drafter_dir) / PACK_MANIFEST).read_text()).get("reference"))
+        names.append(read_manifest(Path(drafter_dir))["reference"])
     for name in names:
         if name in ZOO and not is_cached(name):
             print(f"Fetching {name} from the model zoo (first run only; ~1-3 min on 2 cores) ...", file=sys.stderr)

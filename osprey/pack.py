@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from modeling_osprey import OspreyConfig, OspreyForDrafting
+from modeling_osprey.decoding_osprey import CUSTOM_GENERATE_DIR
 from modeling_osprey.modeling_osprey import PACKED_WEIGHTS_NAME as PACKED_WEIGHTS
 
 from .compact import PACK_MANIFEST, pack_tensors, read_pack, write_pack
@@ -149,6 +150,19 @@ def load_drafter(
         drafter = OspreyForDrafting.from_pretrained(directory, dtype=dtype)
     drafter = drafter.to(dtype=dtype) if device is None else drafter.to(device=device, dtype=dtype)
     return drafter.eval()
+
+
+def custom_generate_folder(drafter: OspreyForDrafting, name: str) -> str:
+    """The folder `drafter` was loaded from, for `target.generate(custom_generate=...)`; a clear error when it holds no
+    `custom_generate/generate.py` (saved before drafters carried it, or packed)."""
+    folder = Path(drafter.name_or_path)
+    if not (folder / CUSTOM_GENERATE_DIR / "generate.py").is_file():
+        raise ValueError(
+            f"{name} has no {CUSTOM_GENERATE_DIR}/generate.py for the custom route: it was saved before drafters "
+            "carried it, or is packed. Save it again (`osprey unpack --drafter DIR --output NEW_DIR`, or "
+            "`load_drafter(DIR).save_pretrained(NEW_DIR)`) and use NEW_DIR."
+        )
+    return str(folder)
 
 
 def _check_is_drafter(directory: Path) -> None:

@@ -19,8 +19,8 @@ import torch
 from allowlist import ModelCatalog
 from transformers.generation.streamers import BaseStreamer
 
-from modeling_osprey.decoding_osprey import CUSTOM_GENERATE_DIR
 from osprey.decode import SpeculativeStats, encode_prompt, speculative_generate, target_generate
+from osprey.pack import custom_generate_folder
 
 APP_DIR = Path(__file__).resolve().parent
 ACCEPTED, TARGET = "accepted draft", "target token"
@@ -187,11 +187,8 @@ class OspreySpace:
             tree_size,
             route,
         )
-        if route == "custom" and not (Path(drafter.name_or_path) / CUSTOM_GENERATE_DIR / "generate.py").is_file():
-            raise gr.Error(
-                f"{drafter_name} has no {CUSTOM_GENERATE_DIR}/generate.py to run inside target.generate (it was saved "
-                "before drafters carried it): save it again with `osprey unpack`, or use the standalone route."
-            )
+        if route == "custom":
+            self._checked(custom_generate_folder, drafter, drafter_name)
         if (target_name, drafter_name, route) not in self._warm_pairs:  # one-off first-call costs skew the speedup
             try:
                 _warm_up(request)
@@ -354,8 +351,7 @@ class _StepStreamer(BaseStreamer):
             self.emit((value.view(1, -1), None, None))
 
     def on_step(self, step):
-        self.stats.new_tokens += step.emitted.shape[1]
-        self.stats.accepted_per_step.append(step.accepted)
+        self.stats.add_step(step)
         self.emit((step.emitted, step.accepted, step))
 
     def end(self):
