@@ -310,6 +310,21 @@ def test_fused_token_cross_entropy_equals_the_plain_one():
         torch.testing.assert_close(grad, expected_grad)
 
 
+def test_fused_losses_break_argmax_ties_like_torch():
+    """The accuracy's argmax is a max and a min over the columns reaching it: on bf16 logits full of ties it must
+    still pick each row's first maximum, as `torch.argmax` does."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (70, 33), generator=generator).bfloat16().requires_grad_()
+    labels = logits.detach().argmax(-1)
+    labels[::2] = (labels[::2] + 1) % 33  # half the rows predicted wrongly, some of them tied with the label
+    target_probs = torch.randn(70, 33, generator=generator).softmax(-1)
+    for compile in (False, True):
+        _, argmax = soft_cross_entropy(logits, target_probs, compile=compile, chunk_size=16)
+        assert torch.equal(argmax, logits.detach().argmax(-1))
+        _, correct = token_cross_entropy(logits, labels, compile=compile, chunk_size=16)
+        assert correct == 35
+
+
 def test_chunked_soft_cross_entropy_equals_the_plain_one():
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(70, 33, generator=generator, requires_grad=True)
@@ -350,6 +365,44 @@ def test_distillation_loss_decreases_and_accuracy_rises(tmp_path):
         assert accuracies[-1] > accuracies[0] + 0.3, (step, accuracies)
         assert step_losses[-1] < step_losses[0], (step, step_losses)
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_bf16_distillation_keeps_the_drafter_logits_in_bf16_and_computes_the_same_loss(tmp_path, monkeypatch):
+    """With bf16, accelerate's forward wrapper would hand the loss float32 copies of the drafter's logits (and cast
+    their gradient back); the trainer runs the TTT loss under one autocast instead: the fused loss reads bf16 logits
+    and computes the same loss, with gradients equal up to bf16 rounding."""
+    import trainers.distill
+
+    target = predictable_target()
+    config = distill_config(tmp_path, bf16=True, use_cpu=True, max_steps=1, per_device_train_batch_size=2)
+    trainer = OspreyDistillTrainer(
+        tiny_drafter(target), config, train_dataset=token_dataset(4, 16), target_model=target
+    )
+    model = trainer.accelerator.prepare_model(trainer.model)  # as train() does: accelerate's autocast wrapper
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    seen = []
+
+    def recording(logits, *args, **kwargs):
+        seen.append(logits.dtype)
+        return soft_cross_entropy(logits, *args, **kwargs)
+
+    monkeypatch.setattr(trainers.distill, "soft_cross_entropy", recording)
+    features, target_logits, target_argmax = trainer._target_signals(inputs, trainer.model)
+    args = (inputs["input_ids"], features, target_logits, target_argmax, inputs["loss_mask"])
+    wrapped = ttt_loss(model, *args, model.draft_to_target, num_steps=config.ttt_steps).loss
+    wrapped.backward()
+    wrapped_grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert set(seen) == {torch.float32}  # the control: accelerate's wrapper converts the logits
+    model.zero_grad()
+    seen.clear()
+    loss = trainer.compute_loss(model, inputs)
+    loss.backward()
+    assert set(seen) == {torch.bfloat16}
+    torch.testing.assert_close(loss, wrapped, rtol=0, atol=0)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(grads) == len(wrapped_grads)
+    for grad, wrapped_grad in zip(grads, wrapped_grads):
+        assert (grad - wrapped_grad).norm() <= 2e-2 * wrapped_grad.norm() + 1e-6
 
 
 @pytest.mark.parametrize("arch, overrides", [("qwen2", {}), ("gemma3", {"final_logit_softcapping": 3.0})])
@@ -471,6 +524,34 @@ def test_pretraining_loss_decreases(tmp_path):
     trainer.train()
     losses = logged(trainer, "loss")
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_bf16_pretraining_hands_the_fused_loss_bf16_logits_and_computes_the_same_loss(tmp_path, monkeypatch):
+    """Stage 2's side of `loss_autocast`: accelerate's wrapper would give the loss float32 copies of the logits."""
+    import trainers.pretrain
+
+    model = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2).train()
+    config = pretrain_config(tmp_path, bf16=True, use_cpu=True, max_steps=1)
+    trainer = OspreyPretrainer(model, config, train_dataset=text_dataset(8), processing_class=char_tokenizer())
+    wrapped_model = trainer.accelerator.prepare_model(trainer.model)
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    seen = []
+
+    def recording(logits, *args, **kwargs):
+        seen.append(logits.dtype)
+        return token_cross_entropy(logits, *args, **kwargs)
+
+    monkeypatch.setattr(trainers.pretrain, "token_cross_entropy", recording)
+    model_inputs = {key: value for key, value in inputs.items() if key != "labels"}
+    wrapped_logits = wrapped_model(**model_inputs, use_cache=False).logits
+    assert wrapped_logits.dtype == torch.float32  # the control: accelerate's wrapper converts the logits
+    loss = trainer.compute_loss(wrapped_model, inputs)
+    assert seen == [torch.bfloat16]
+    labels = inputs["labels"][:, 1:].reshape(-1)
+    expected = torch.nn.functional.cross_entropy(
+        wrapped_logits[:, :-1].reshape(-1, wrapped_logits.shape[-1]), labels, ignore_index=-100
+    )
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_streamed_datasets_train(tmp_path):

@@ -1,9 +1,11 @@
 """Where and in which precision the trainers run, one rule for all of them: bf16 mixed precision exactly where CUDA
-supports it (CPU runs in float32), host memory pinned only when there is a device to copy to, and the frozen target
-loaded in bfloat16 or float32 to match."""
+supports it (CPU runs in float32), host memory pinned only when there is a device to copy to, the frozen target
+loaded in bfloat16 or float32 to match, and one autocast per loss (`loss_autocast`)."""
+
+import contextlib
 
 import torch
-from transformers import PreTrainedModel, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from osprey.zoo import load_causal_lm
 
@@ -26,3 +28,22 @@ def load_target(name_or_path: str, dtype: str, device_map: str | None = None) ->
     if dtype == "auto":
         dtype = "bfloat16" if cuda_bf16_available() else "float32"
     return load_causal_lm(name_or_path, dtype=getattr(torch, dtype), device_map=device_map)
+
+
+def loss_autocast(trainer: Trainer, model) -> contextlib.AbstractContextManager:
+    """One bf16 autocast around a whole loss computation, instead of accelerate's around each forward of `model`.
+
+    Under mixed precision accelerate wraps the model's forward in autocast and converts its outputs to float32. For a
+    language-model head that is a float32 copy of its `(tokens, vocabulary)` logits (and a cast of their gradient
+    back in the backward), and, when the loss calls the model several times (TTT steps), every weight cast to bf16
+    again, as autocast caches casts for one forward only. The fused cross-entropies read bf16 logits themselves; so
+    with bf16 this drops the wrapper and returns one autocast for the caller's loss: logits stay bf16, weights are
+    cast once. Losses are the same numbers; the logits' gradient is rounded to bf16 before its scale is applied
+    instead of after. fp16 keeps accelerate's wrapper (its loss scaling needs the float32 gradient)."""
+    if not trainer.args.bf16:
+        return contextlib.nullcontext()
+    module = getattr(model, "module", model)  # inside DistributedDataParallel
+    original_forward = module.__dict__.pop("_original_forward", None)  # set by accelerate with its wrapper
+    if original_forward is not None:
+        module.forward = original_forward
+    return trainer.accelerator.autocast()

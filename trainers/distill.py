@@ -22,7 +22,7 @@ from osprey.pack import load_drafter
 from osprey.zoo import load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
-from .devices import load_target, set_device_defaults
+from .devices import load_target, loss_autocast, set_device_defaults
 from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset, TargetHead, greedy_tokens
 from .losses import soft_cross_entropy, target_distribution
 from .pretrain import resume_argument
@@ -308,17 +308,18 @@ class OspreyDistillTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         drafter = self.accelerator.unwrap_model(model)
         features, target_logits, target_argmax = self._target_signals(inputs, drafter)
-        output = ttt_loss(
-            model,
-            inputs["input_ids"],
-            features.to(drafter.dtype),
-            target_logits,
-            target_argmax,
-            inputs["loss_mask"],
-            drafter.draft_to_target,
-            num_steps=self.args.ttt_steps,
-            decay=self.args.ttt_decay,
-        )
+        with loss_autocast(self, model):
+            output = ttt_loss(
+                model,
+                inputs["input_ids"],
+                features.to(drafter.dtype),
+                target_logits,
+                target_argmax,
+                inputs["loss_mask"],
+                drafter.draft_to_target,
+                num_steps=self.args.ttt_steps,
+                decay=self.args.ttt_decay,
+            )
         stats = torch.stack([output.step_losses, output.step_correct.float(), output.step_counts.float()])
         metrics = self._metrics["train" if model.training else "eval"]
         metrics["sums"] += self.accelerator.reduce(stats, reduction="sum").cpu()

@@ -18,7 +18,7 @@ from trl import SFTConfig, SFTTrainer, TrlParser
 from osprey.zoo import load_causal_lm, load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
-from .devices import set_device_defaults
+from .devices import loss_autocast, set_device_defaults
 from .losses import token_cross_entropy
 
 
@@ -113,7 +113,8 @@ class OspreyPretrainer(SFTTrainer):
         mode = "train" if model.training else "eval"
         # Without a cache, transformers reads packed documents from `position_ids` and keeps them apart.
         model_inputs = {key: value for key, value in inputs.items() if key != "labels"}
-        outputs = model(**model_inputs, use_cache=False)
+        with loss_autocast(self, model):
+            outputs = model(**model_inputs, use_cache=False)
         labels = inputs["labels"][:, 1:]
         mask = labels != -100
         num_tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
