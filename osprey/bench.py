@@ -251,11 +251,15 @@ def saved_settings(results: dict) -> dict:
     return asdict(BenchSettings()) | results.get("settings", {})
 
 
-def _start_results(target_name: str, settings: BenchSettings, methods, output_path: Path | None) -> dict:
-    """A fresh results dict, or the one saved at `output_path` if it was made with the same target and settings."""
+def _start_results(
+    target_name: str, target_dtype: str, settings: BenchSettings, methods, output_path: Path | None
+) -> dict:
+    """A fresh results dict, or the one saved at `output_path` if it was made with the same target, dtype and
+    settings."""
     fresh = {
         "format": RESULTS_FORMAT,
         "target": target_name,
+        "target_dtype": target_dtype,
         "settings": asdict(settings),
         "methods": {},
         "prompts": {},
@@ -266,7 +270,8 @@ def _start_results(target_name: str, settings: BenchSettings, methods, output_pa
         return fresh
     saved = json.loads(output_path.read_text())
     saved["settings"] = saved_settings(saved)
-    for key in ("format", "target", "settings"):
+    saved.setdefault("target_dtype", target_dtype)  # saved before the dtype was recorded
+    for key in ("format", "target", "target_dtype", "settings"):
         if saved.get(key) != fresh[key]:
             raise ValueError(
                 f"{output_path} holds results for another {key} ({saved.get(key)} instead of {fresh[key]}); "
@@ -314,7 +319,8 @@ def run_benchmark(
     if len({method.name for method in methods}) != len(methods):
         raise ValueError(f"Method names must be unique, got {[method.name for method in methods]}.")
     output_path = None if output_path is None else Path(output_path)
-    results = _start_results(target_name or target.config.name_or_path, settings, methods, output_path)
+    target_dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
+    results = _start_results(target_name or target.config.name_or_path, target_dtype, settings, methods, output_path)
     results["methods"].update({method.name: method.spec for method in methods})
     for prompt in prompts:
         ids = results["prompts"].setdefault(prompt.suite, {}).setdefault(prompt.category, [])

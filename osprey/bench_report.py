@@ -126,7 +126,24 @@ def markdown_table(results: dict) -> str:
                 f"| {acceptance} | {_number(record['tokens_per_s'], 1)} | {_number(record['speedup'], 2, '×')} "
                 f"| {split} | {_share(record)} |"
             )
+    if _differs_in_half_precision(results):
+        lines += ["", HALF_PRECISION_NOTE]
     return "\n".join(lines) + "\n"
+
+
+HALF_PRECISION_NOTE = (
+    "Outputs that differ from the target's were decoded in half precision, where a forward over several tokens (a "
+    "verification) does not round exactly like the target's one-token forwards, so a near tie can flip (on the "
+    "project's CPU a bf16 matmul rounds a row computed alone differently from the same row among 2-32: "
+    "`benchmarks/numerics/bf16_row_invariance.py`). Run with `--dtype float32` to check that decoding is exact."
+)
+
+
+def _differs_in_half_precision(results: dict) -> bool:
+    return results.get("target_dtype") in ("bfloat16", "float16") and any(
+        record["same_output_as_target"] is not None and record["same_output_as_target"] < 1
+        for record in results["records"]
+    )
 
 
 def _share(record: dict) -> str:
