@@ -37,13 +37,13 @@ class DemoChoice:
 
 DEMO_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEMOS = {
-    # A tree of depth 5, branching 3, 4 nodes, plus a prompt-lookup branch of up to 8 tokens: the best tokens/s of a
+    # A tree of depth 5, branching 3, 8 nodes, plus a prompt-lookup branch of up to 8 tokens: the best tokens/s of a
     # grid (chain / tree 3x4 / tree 3x8, each with and without the branch) on eight held-out ShareGPT prompts
-    # (benchmarks/results/tree-defaults/qwen2.5-coder-1.5b-instruct.json: 1.58x the target alone, the chain 1.21x).
+    # (benchmarks/results/tree-defaults/qwen2.5-coder-1.5b-instruct.json: 2.00x the target alone, the chain 1.49x).
     "qwen2.5-coder-1.5b-instruct": DemoChoice(
         QWEN_DEMO_DRAFTER_DIR,
         "bfloat16",
-        dict(num_draft_tokens=5, draft_topk=3, tree_size=4, prompt_lookup_num_tokens=8),
+        dict(num_draft_tokens=5, draft_topk=3, tree_size=8, prompt_lookup_num_tokens=8),
     ),
     "smollm2-135m-instruct": DemoChoice(
         DEMO_DRAFTER_DIR, settings=dict(confidence_threshold=DEMO_CONFIDENCE_THRESHOLD)

@@ -14,7 +14,7 @@ space. Verification stays lossless with a quantized drafter: only how often draf
 A drafter made from a zoo backbone packs far smaller against it (`osprey pack --drafter DIR --reference ZOO_NAME
 [--delta-bits 4]`): its frozen copies of the backbone's tensors (the embedding) are rebuilt from the zoo model and
 checked by SHA-256, its trained blocks and head stored as int8 or int4 changes from the tensors they started as
-(`osprey.compact`). A Qwen2.5-0.5B-based drafter: 36 MiB instead of 762 MiB in float32.
+(`osprey.compact`). A Qwen2.5-0.5B-based drafter: 36-50 MiB instead of 762 MiB in float32.
 
 What the packed formats store is decided by `write_packed_weights` and read back by `read_packed_weights`; the rest
 of this module goes through those two.

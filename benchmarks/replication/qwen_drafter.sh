@@ -3,14 +3,15 @@
 # machines. Its product is committed: osprey/demo_drafter_qwen, packed against qwen2.5-coder-0.5b-instruct (the
 # frozen embedding rebuilt from the zoo and checked by SHA-256, blocks and head as int4 changes from the tensors they
 # started as; 36 MiB). So on a fresh machine this script only restores (`osprey unpack`) unless FROM_SCRATCH=1, which
-# redoes every stage (~2.5 h of 2 cores) in the order it was run:
+# redoes every stage (~4 h of 2 cores, so run it twice: each stage resumes) in the order it was run:
 #
 #   1. prune: Qwen2.5-Coder-0.5B-Instruct's first 2 blocks (no stage 2: at 13 tokens/s with its parent as teacher
 #      the CPU cannot afford it, see stage2_qwen.sh);
 #   2. convert for the 1.5B target, 32k draft vocabulary counted on target answers, ShareGPT and multilingual text;
 #   3. round 1: features of 240 regenerated conversations, 60 + 120 distillation steps (distill-qwen-q05b-*.yaml);
-#   4. round 2: features of all 816 regenerated conversations, 500 more steps (distill-qwen-q05b-regen816.yaml);
-#   5. pack against the zoo backbone.
+#   4. round 2: features of the first 816 regenerated conversations, 500 more steps (distill-qwen-q05b-regen816.yaml);
+#   5. round 3: features of all 1,616, 800 more steps (distill-qwen-q05b-regen1616.yaml);
+#   6. pack against the zoo backbone.
 #
 # The regenerated answers are restored from benchmarks/checkpoints/regenerated-sharegpt-qwen2.5-coder-1.5b-instruct.
 # Each stage is skipped when its product exists, so a killed run resumes. The draft-vocabulary corpus is rebuilt from
@@ -61,17 +62,20 @@ features() {  # $1: output folder, then extra flags
   [ -f "$output/feature_cache.json" ] || $OSPREY features --target $TARGET --dataset-name "$REGEN" --max-length 640 \
     --batch-size 4 --target-dtype bfloat16 --output "$output" "$@"
 }
-distill() {  # $1: config, $2: from, $3: to, then extra flags; the yaml's feature_cache is overridden
-  local config=$1 from=$2 to=$3 cache=$4; shift 4
-  [ -f "$to/model.safetensors" ] || $OSPREY distill --config "$config" --feature_cache "$cache" --drafter "$from" \
-    --output "$to" "$@"
+distill() {  # $1: config, $2: from, $3: to, $4: features, then extra flags; the yaml's feature_cache is overridden
+  local config=$1 from=$2 to=$3 cache=$4 resume=(); shift 4
+  [ -f "$to/model.safetensors" ] && return
+  compgen -G "$to/checkpoint-*" > /dev/null && resume=(--resume_from_checkpoint true)  # a killed run goes on
+  $OSPREY distill --config "$config" --feature_cache "$cache" --drafter "$from" --output "$to" "${resume[@]}" "$@"
 }
 features "$OUT/features-240" --max-examples 240
 distill benchmarks/replication/distill-qwen-q05b-epoch1.yaml "$OUT/osprey-init" "$OUT/round1-epoch1" "$OUT/features-240"
 distill benchmarks/replication/distill-qwen-q05b-epochs2-3.yaml "$OUT/round1-epoch1" "$OUT/round1" \
   "$OUT/features-240" --seed 1
-features "$OUT/features-816" --max-examples 816  # the first 816: what round 2 saw (more are committed now)
-distill benchmarks/replication/distill-qwen-q05b-regen816.yaml "$OUT/round1" "$OUT/drafter" "$OUT/features-816"
+features "$OUT/features-816" --max-examples 816  # the first 816: what round 2 saw
+distill benchmarks/replication/distill-qwen-q05b-regen816.yaml "$OUT/round1" "$OUT/round2" "$OUT/features-816"
+features "$OUT/features-1616" --max-examples 1616  # all committed answers
+distill benchmarks/replication/distill-qwen-q05b-regen1616.yaml "$OUT/round2" "$OUT/drafter" "$OUT/features-1616"
 [ -d "$OUT/packed" ] || $OSPREY pack --drafter "$OUT/drafter" --reference $BACKBONE_PARENT --delta-bits 4 \
   --output "$OUT/packed"
 log "packed: $OUT/packed (copy it to $SHIPPED to ship it)"
