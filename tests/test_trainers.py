@@ -367,6 +367,18 @@ def test_distillation_loss_decreases_and_accuracy_rises(tmp_path):
     assert losses[-1] < 0.8 * losses[0], losses
 
 
+def record_logit_dtypes(monkeypatch, module, name: str) -> list[torch.dtype]:
+    """Wraps the loss `module.name` so that the dtype of the logits of each call is appended to the returned list."""
+    loss, seen = getattr(module, name), []
+
+    def recording(logits, *args, **kwargs):
+        seen.append(logits.dtype)
+        return loss(logits, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, recording)
+    return seen
+
+
 def test_bf16_distillation_keeps_the_drafter_logits_in_bf16_and_computes_the_same_loss(tmp_path, monkeypatch):
     """With bf16, accelerate's forward wrapper would hand the loss float32 copies of the drafter's logits (and cast
     their gradient back); the trainer runs the TTT loss under one autocast instead: the fused loss reads bf16 logits
@@ -380,13 +392,7 @@ def test_bf16_distillation_keeps_the_drafter_logits_in_bf16_and_computes_the_sam
     )
     model = trainer.accelerator.prepare_model(trainer.model)  # as train() does: accelerate's autocast wrapper
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    seen = []
-
-    def recording(logits, *args, **kwargs):
-        seen.append(logits.dtype)
-        return soft_cross_entropy(logits, *args, **kwargs)
-
-    monkeypatch.setattr(trainers.distill, "soft_cross_entropy", recording)
+    seen = record_logit_dtypes(monkeypatch, trainers.distill, "soft_cross_entropy")
     features, target_logits, target_argmax = trainer._target_signals(inputs, trainer.model)
     args = (inputs["input_ids"], features, target_logits, target_argmax, inputs["loss_mask"])
     wrapped = ttt_loss(model, *args, model.draft_to_target, num_steps=config.ttt_steps).loss
@@ -535,13 +541,7 @@ def test_bf16_pretraining_hands_the_fused_loss_bf16_logits_and_computes_the_same
     trainer = OspreyPretrainer(model, config, train_dataset=text_dataset(8), processing_class=char_tokenizer())
     wrapped_model = trainer.accelerator.prepare_model(trainer.model)
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    seen = []
-
-    def recording(logits, *args, **kwargs):
-        seen.append(logits.dtype)
-        return token_cross_entropy(logits, *args, **kwargs)
-
-    monkeypatch.setattr(trainers.pretrain, "token_cross_entropy", recording)
+    seen = record_logit_dtypes(monkeypatch, trainers.pretrain, "token_cross_entropy")
     model_inputs = {key: value for key, value in inputs.items() if key != "labels"}
     wrapped_logits = wrapped_model(**model_inputs, use_cache=False).logits
     assert wrapped_logits.dtype == torch.float32  # the control: accelerate's wrapper converts the logits
