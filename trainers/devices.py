@@ -30,6 +30,11 @@ def load_target(name_or_path: str, dtype: str, device_map: str | None = None) ->
     return load_causal_lm(name_or_path, dtype=getattr(torch, dtype), device_map=device_map)
 
 
+def unwrap(model):
+    """The model inside a DistributedDataParallel (or similar) wrapper."""
+    return getattr(model, "module", model)
+
+
 def loss_autocast(trainer: Trainer, model) -> contextlib.AbstractContextManager:
     """One bf16 autocast around a whole loss computation, instead of accelerate's around each forward of `model`.
 
@@ -42,7 +47,7 @@ def loss_autocast(trainer: Trainer, model) -> contextlib.AbstractContextManager:
     instead of after. fp16 keeps accelerate's wrapper (its loss scaling needs the float32 gradient)."""
     if not trainer.args.bf16:
         return contextlib.nullcontext()
-    module = getattr(model, "module", model)  # inside DistributedDataParallel
+    module = unwrap(model)
     original_forward = module.__dict__.pop("_original_forward", None)  # set by accelerate with its wrapper
     if original_forward is not None:
         module.forward = original_forward

@@ -22,7 +22,7 @@ from osprey.pack import load_drafter
 from osprey.zoo import load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
-from .devices import load_target, loss_autocast, set_device_defaults
+from .devices import load_target, loss_autocast, set_device_defaults, unwrap
 from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset, TargetHead, greedy_tokens
 from .losses import soft_cross_entropy, target_distribution
 from .pretrain import resume_argument
@@ -196,11 +196,6 @@ def ttt_loss(
         step_counts=torch.stack(step_counts),
         step_logits=step_logits if return_logits else None,
     )
-
-
-def unwrap(model):
-    """The model inside a DistributedDataParallel (or similar) wrapper."""
-    return getattr(model, "module", model)
 
 
 class DistillDataCollator:
