@@ -48,6 +48,8 @@ def loss_autocast(trainer: Trainer, model) -> contextlib.AbstractContextManager:
     if not trainer.args.bf16:
         return contextlib.nullcontext()
     module = unwrap(model)
+    # accelerate's own `unwrap_model(keep_fp32_wrapper=False)` would follow `__wrapped__` past this bound forward into
+    # the undecorated class function, dropping transformers' forward decorators: restore exactly what it wrapped.
     original_forward = module.__dict__.pop("_original_forward", None)  # set by accelerate with its wrapper
     if original_forward is not None:
         module.forward = original_forward
