@@ -341,15 +341,19 @@ def test_humaneval_and_mmath_come_from_their_pypi_wheels(tmp_path):
     assert len(mmath) == 374 * len(bench_suites.MMATH_LANGUAGES)
 
 
-def _replication_ratios_module():
+def _replication_module(name: str):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "benchmarks" / "replication" / "ratios.py"
-    spec = importlib.util.spec_from_file_location("ratios", path)
+    path = Path(__file__).parents[1] / "benchmarks" / "replication" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _replication_ratios_module():
+    return _replication_module("ratios")
 
 
 def _request(method, prompt_id, tau, output="same"):
@@ -395,6 +399,50 @@ def test_replication_ratios_join_another_bench_only_when_both_decoded_alike():
         ratios.with_drafters_from(bench("osprey", 1.5, "t"), bench("ablation", 1.2, "other"))
     with pytest.raises(ValueError, match="identical settings"):
         ratios.with_drafters_from(bench("osprey", 1.5, "t"), {**bench("ablation", 1.2, "t"), "settings": {}})
+
+
+def _trainer_state(folder, evaluations, global_step, epoch):
+    folder.mkdir(parents=True)
+    history = [
+        {"step": step, "epoch": epoch * step / global_step, "eval_ttt_acc_0": acc}
+        | {f"eval_ttt_acc_{k}": acc for k in range(1, 5)}
+        for step, acc in evaluations
+    ]
+    history.append({"step": global_step, "epoch": epoch, "train_runtime": 1.0})
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": global_step, "log_history": history}))
+
+
+def test_qwen_curves_chain_the_runs_token_passes_and_read_a_run_in_progress(tmp_path):
+    """A control's points continue the step and token-pass counts of the runs before it; a run still going is read
+    from its newest checkpoint; Osprey's tokens to a control's accuracy are interpolated, or bounded before its first
+    point, or missing when never reached."""
+    curves = _replication_module("qwen_curves")
+    _trainer_state(tmp_path / "scratch-round1-epoch1", [(60, 0.07)], 60, 1.0)
+    _trainer_state(tmp_path / "scratch-round1", [(120, 0.17)], 120, 2.0)
+    _trainer_state(tmp_path / "scratch-round2" / "checkpoint-200", [], 200, 0.8)
+    _trainer_state(tmp_path / "scratch-round2" / "checkpoint-300", [(250, 0.20)], 300, 1.2)
+    points = curves.control_curve(tmp_path, "scratch")
+    tokens = [point["token_passes"] for point in points]
+    assert [point["total_steps"] for point in points] == [60, 180, 430]
+    assert tokens == [72_749, 3 * 72_749, 3 * 72_749 + round(1.0 * 209_006)]
+    assert [point["heldout_ttt_acc_0"] for point in points] == [0.07, 0.17, 0.2]
+    # stopped after an evaluation at step 350 that no checkpoint holds: read from the run's log
+    printed = {"eval_loss": "9.1", "eval_ttt_acc_0": "0.25"} | {f"eval_ttt_acc_{k}": "0.2" for k in range(1, 5)}
+    (tmp_path / "scratch.log").write_text(f"100%|###| 300/500\n{printed | {'epoch': '1.4'}}\n 70%|###| 351/500")
+    points = curves.control_curve(tmp_path, "scratch")
+    assert [point["total_steps"] for point in points] == [60, 180, 430, 530]
+    assert points[-1]["heldout_ttt_acc_0"] == 0.25
+    osprey = [
+        {"total_steps": 1, "token_passes": 100, "heldout_ttt_acc_0": 0.2},
+        {"total_steps": 3, "token_passes": 300, "heldout_ttt_acc_0": 0.4},
+    ]
+    assert curves.tokens_to_reach(osprey, 0.3) == {"token_passes": 200, "bound": "interpolated"}
+    assert curves.tokens_to_reach(osprey, 0.1) == {"token_passes": 100, "bound": "at most"}
+    assert curves.tokens_to_reach(osprey, 0.5)["bound"] == "not reached"
+    efficiency = curves.sample_efficiency(
+        osprey, {"scratch": [{"total_steps": 9, "token_passes": 1000, "heldout_ttt_acc_0": 0.3}]}
+    )
+    assert efficiency["scratch"]["share_of_control_tokens"] == pytest.approx(0.2)
 
 
 def test_hf_route_and_tree_methods_reproduce_the_target_and_accept_drafts(models):

@@ -19,6 +19,13 @@
 # tokens, 96.4% coverage), so a rebuilt vocabulary can differ in its rarest rows.
 #
 #   nohup benchmarks/replication/qwen_drafter.sh > /work/runs/qwen-drafter.log 2>&1 &
+#
+# `qwen_drafter.sh controls` distils the two controls of the paper's table from the same osprey-init on exactly
+# Osprey's rounds 1 and 2 (same configs, data, order and seeds: 680 steps, ~0.73 M token-passes), side by side with
+# one thread each: the body-random `scratch` drafter and an `eagle3` drafter (one block at the target's width). Their
+# held-out TTT accuracy at steps 60, 180, 430 and 680 is Osprey's learning curve's first four points at equal budget
+# (benchmarks/replication/qwen_curves.py), and all three round-1 drafters are benchmarked for τ in between (~3 h of
+# 2 cores in all; rerun to resume).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-/work/runs}
@@ -31,7 +38,9 @@ REGEN=$RUNS/regen/$TARGET
 source benchmarks/replication/stages.sh  # log
 mkdir -p "$OUT"
 
-if [ "${FROM_SCRATCH:-0}" != 1 ]; then
+MODE=${1:-drafter}
+case $MODE in drafter|controls) ;; *) echo "usage: $0 [drafter|controls]" >&2; exit 2 ;; esac
+if [ "$MODE" = drafter ] && [ "${FROM_SCRATCH:-0}" != 1 ]; then
   [ -d "$OUT/drafter" ] || $OSPREY unpack --drafter "$SHIPPED" --output "$OUT/drafter"
   log "restored $OUT/drafter from $SHIPPED"
   exit 0
@@ -68,12 +77,45 @@ distill() {  # $1: config, $2: from, $3: to, $4: features, then extra flags; the
   compgen -G "$to/checkpoint-*" > /dev/null && resume=(--resume_from_checkpoint true)  # a killed run goes on
   $OSPREY distill --config "$config" --feature_cache "$cache" --drafter "$from" --output "$to" "${resume[@]}" "$@"
 }
+round1() {  # $1: initial drafter, $2: output prefix; Osprey's round 1
+  distill benchmarks/replication/distill-qwen-q05b-epoch1.yaml "$1" "$2round1-epoch1" "$OUT/features-240"
+  distill benchmarks/replication/distill-qwen-q05b-epochs2-3.yaml "$2round1-epoch1" "$2round1" \
+    "$OUT/features-240" --seed 1
+}
+round2() {  # $1: output prefix; Osprey's round 2, from round 1's drafter
+  distill benchmarks/replication/distill-qwen-q05b-regen816.yaml "$1round1" "$1round2" "$OUT/features-816"
+}
 features "$OUT/features-240" --max-examples 240
-distill benchmarks/replication/distill-qwen-q05b-epoch1.yaml "$OUT/osprey-init" "$OUT/round1-epoch1" "$OUT/features-240"
-distill benchmarks/replication/distill-qwen-q05b-epochs2-3.yaml "$OUT/round1-epoch1" "$OUT/round1" \
-  "$OUT/features-240" --seed 1
 features "$OUT/features-816" --max-examples 816  # the first 816: what round 2 saw
-distill benchmarks/replication/distill-qwen-q05b-regen816.yaml "$OUT/round1" "$OUT/round2" "$OUT/features-816"
+if [ "$MODE" = controls ]; then
+  [ -d "$OUT/scratch-init" ] || $OSPREY baseline scratch --like "$OUT/osprey-init" --output "$OUT/scratch-init"
+  [ -d "$OUT/eagle3-init" ] || $OSPREY baseline eagle3 --like "$OUT/osprey-init" --output "$OUT/eagle3-init"
+  controls() {  # $1: round1|round2, for both controls side by side, one thread each (see docs/training.md)
+    local pids=() control
+    for control in scratch eagle3; do
+      log "$1 of $control (log: $OUT/$control.log)"
+      if [ "$1" = round1 ]; then
+        (OMP_NUM_THREADS=1 round1 "$OUT/$control-init" "$OUT/$control-" >> "$OUT/$control.log" 2>&1) & pids+=($!)
+      else
+        (OMP_NUM_THREADS=1 round2 "$OUT/$control-" >> "$OUT/$control.log" 2>&1) & pids+=($!)
+      fi
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done
+  }
+  controls round1
+  round1 "$OUT/osprey-init" "$OUT/"  # Osprey's own round 1 (kept on the machine that distilled the shipped drafter)
+  # τ at equal budget (218k token-passes) on a fixed 25-prompt subset, one per category of the replication's suites;
+  # greedy τ needs no target-alone run
+  $OSPREY bench --target $TARGET --drafter osprey="$OUT/round1" --drafter scratch="$OUT/scratch-round1" \
+    --drafter eagle3="$OUT/eagle3-round1" --baselines "" --prompts spec_bench --prompts mt_bench \
+    --prompts humaneval --prompts mmath --per-category 1 --max-new-tokens 48 --dtype bfloat16 \
+    --output benchmarks/results/equal-budget-$TARGET-round1.json
+  controls round2
+  log "controls distilled: $OUT/{scratch,eagle3}-round2"
+  exit 0
+fi
+round1 "$OUT/osprey-init" "$OUT/"
+round2 "$OUT/"
 features "$OUT/features-1616" --max-examples 1616  # all committed answers
 distill benchmarks/replication/distill-qwen-q05b-regen1616.yaml "$OUT/round2" "$OUT/drafter" "$OUT/features-1616"
 [ -d "$OUT/packed" ] || $OSPREY pack --drafter "$OUT/drafter" --reference $BACKBONE_PARENT --delta-bits 4 \
