@@ -409,7 +409,8 @@ def _trainer_state(folder, evaluations, global_step, epoch):
         for step, acc in evaluations
     ]
     history.append({"step": global_step, "epoch": epoch, "train_runtime": 1.0})
-    (folder / "trainer_state.json").write_text(json.dumps({"global_step": global_step, "log_history": history}))
+    state = {"global_step": global_step, "epoch": epoch, "eval_steps": 50, "save_steps": 100, "log_history": history}
+    (folder / "trainer_state.json").write_text(json.dumps(state))
 
 
 def test_qwen_curves_chain_the_runs_token_passes_and_read_a_run_in_progress(tmp_path):
@@ -426,8 +427,11 @@ def test_qwen_curves_chain_the_runs_token_passes_and_read_a_run_in_progress(tmp_
     assert [point["total_steps"] for point in points] == [60, 180, 430]
     assert tokens == [72_749, 3 * 72_749, 3 * 72_749 + round(1.0 * 209_006)]
     assert [point["heldout_ttt_acc_0"] for point in points] == [0.07, 0.17, 0.2]
-    # stopped after an evaluation at step 350 that no checkpoint holds: read from the run's log
+    # the log's last evaluation is an earlier run's (epoch 2 of round 1): not a round-2 point
     printed = {"eval_loss": "9.1", "eval_ttt_acc_0": "0.25"} | {f"eval_ttt_acc_{k}": "0.2" for k in range(1, 5)}
+    (tmp_path / "scratch.log").write_text(f"{printed | {'epoch': '2.0'}}\n 70%|###| 301/500")
+    assert len(curves.control_curve(tmp_path, "scratch")) == 3
+    # stopped after an evaluation at step 350 that no checkpoint holds: read from the run's log
     (tmp_path / "scratch.log").write_text(f"100%|###| 300/500\n{printed | {'epoch': '1.4'}}\n 70%|###| 351/500")
     points = curves.control_curve(tmp_path, "scratch")
     assert [point["total_steps"] for point in points] == [60, 180, 430, 530]

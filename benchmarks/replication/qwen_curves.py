@@ -54,9 +54,10 @@ def control_curve(run_dir: Path, control: str) -> list[dict]:
             state_path = checkpoints[-1] / "trainer_state.json"
         state = json.loads(state_path.read_text())
         if not (folder / "trainer_state.json").is_file():
-            logged, epoch = last_logged_evaluation(run_dir / f"{control}.log"), state["log_history"][-1]["epoch"]
-            if logged is not None and logged["epoch"] > epoch:
-                step = round(logged["epoch"] * state["global_step"] / epoch)
+            logged = last_logged_evaluation(run_dir / f"{control}.log")
+            step = 0 if logged is None else round(logged["epoch"] * state["global_step"] / state["epoch"])
+            # only an evaluation of this run, after its checkpoint and before the next one would have been written
+            if 0 < step - state["global_step"] < state["save_steps"] and step % state["eval_steps"] == 0:
                 state["log_history"].append({"step": step} | logged)
         for entry in state["log_history"]:
             if "eval_ttt_acc_0" in entry:
