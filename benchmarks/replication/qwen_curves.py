@@ -47,13 +47,14 @@ def control_curve(run_dir: Path, control: str) -> list[dict]:
     for suffix, num_tokens in RUNS:
         folder = run_dir / f"{control}-{suffix}"
         state_path = folder / "trainer_state.json"
-        if not state_path.is_file():
+        finished = state_path.is_file()
+        if not finished:
             checkpoints = sorted(folder.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
             if not checkpoints:
                 break
             state_path = checkpoints[-1] / "trainer_state.json"
         state = json.loads(state_path.read_text())
-        if not (folder / "trainer_state.json").is_file():
+        if not finished:
             logged = last_logged_evaluation(run_dir / f"{control}.log")
             step = 0 if logged is None else round(logged["epoch"] * state["global_step"] / state["epoch"])
             # only an evaluation of this run, after its checkpoint and before the next one would have been written
@@ -69,10 +70,10 @@ def control_curve(run_dir: Path, control: str) -> list[dict]:
                     }
                     | {f"heldout_ttt_acc_{k}": round(entry[f"eval_ttt_acc_{k}"], 4) for k in range(TTT_STEPS)}
                 )
-        if not (folder / "trainer_state.json").is_file():
+        if not finished:
             break
         steps_before += state["global_step"]
-        passes_before += round(state["log_history"][-1]["epoch"] * num_tokens)
+        passes_before += round(state["epoch"] * num_tokens)
     return points
 
 
