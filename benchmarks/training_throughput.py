@@ -13,8 +13,9 @@ replication config uses:
   token target vocabulary, 3 taps of a 1536-wide target), 2 x 1,024 tokens per micro-batch, 2 micro-batches per
   step, TTT 5 (benchmarks/replication/distill-common.yaml);
 - distill-smollm2-135m: the pilot's drafter (8k draft vocabulary, 49,152-token vocabulary, taps of a 576-wide target);
-- pretrain-smollm2-2l: stage 2, SmolLM2-135M pruned to 2 blocks, 4 x 1,024 tokens, 2 micro-batches per step
-  (trainers/configs/pretrain-smollm2-2l.yaml);
+- pretrain-smollm2-2l: stage 2, SmolLM2-135M pruned to 2 blocks, 4 x 1,024 tokens, 2 micro-batches per step, in the
+  precision each checkout's own trainers/configs/pretrain-smollm2-2l.yaml sets (float32 at 175b08b, bf16 autocast
+  since session 11; each run's JSON says which);
 - features: `build_feature_cache` (current code) against the target's own forward-only rate on the same tokens, with
   the zoo's SmolLM2-135M-Instruct when it is cached (else a random model of its config; the JSON says which).
 

@@ -264,7 +264,10 @@ class OspreyDrafterOutput(ModelOutput):
     """
     Args:
         logits (`torch.FloatTensor` of shape `(batch_size, sequence_length, draft_vocab_size)`):
-            Next-token scores over the *draft* vocabulary; map ids back with `draft_ids_to_target_ids`.
+            Next-token scores over the *draft* vocabulary; map ids back with `draft_ids_to_target_ids`. None with
+            `skip_logits=True`.
+        last_hidden_state (`torch.FloatTensor`, *optional*):
+            With `skip_logits=True`: the LM head's input at the positions `logits_to_keep` selects.
         prenorm_hidden_states (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`):
             See [`OspreyModelOutput`].
         cache (`Cache`, *optional*):
@@ -272,6 +275,7 @@ class OspreyDrafterOutput(ModelOutput):
     """
 
     logits: torch.FloatTensor | None = None
+    last_hidden_state: torch.FloatTensor | None = None
     prenorm_hidden_states: torch.FloatTensor | None = None
     cache: Cache | None = None
 
@@ -518,6 +522,7 @@ class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationM
         use_cache: bool | None = None,
         logits_to_keep: int | torch.BoolTensor = 0,
         inputs_embeds: torch.Tensor | None = None,
+        skip_logits: bool = False,
     ) -> OspreyDrafterOutput:
         r"""
         Arguments are those of [`OspreyModel.forward`], plus:
@@ -527,6 +532,10 @@ class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationM
                 drafting needs one, and with a 150k-row head that is most of a drafter step. A boolean mask computes
                 them only where it is True and returns them flattened, `(mask.sum(), draft_vocab_size)`: training
                 needs no logits on prompt tokens and padding.
+            skip_logits (`bool`, *optional*, defaults to `False`):
+                Return the LM head's input at those positions as `last_hidden_state` instead of logits, for a loss
+                that applies the head itself a chunk of rows at a time (a training loss over a large vocabulary never
+                needs all the logits at once).
         """
         outputs = self.model(
             input_ids,
@@ -544,7 +553,8 @@ class OspreyForDrafting(OspreyAssistantMixin, OspreyPreTrainedModel, GenerationM
         elif logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
         return OspreyDrafterOutput(
-            logits=self.lm_head(hidden_states),
+            logits=None if skip_logits else self.lm_head(hidden_states),
+            last_hidden_state=hidden_states if skip_logits else None,
             prenorm_hidden_states=outputs.prenorm_hidden_states,
             cache=outputs.cache,
         )

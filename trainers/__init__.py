@@ -14,6 +14,7 @@ _EXPORTS = {
     "DistillDataCollator": "distill",
     "ttt_loss": "distill",
     "soft_cross_entropy": "losses",
+    "linear_soft_cross_entropy": "losses",
     "token_cross_entropy": "losses",
     "FeatureCacheDataset": "feature_cache",
     "TargetHead": "feature_cache",

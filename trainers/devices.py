@@ -5,6 +5,7 @@ loaded in bfloat16 or float32 to match, and one autocast per loss (`loss_autocas
 import contextlib
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from osprey.zoo import load_causal_lm
@@ -31,8 +32,8 @@ def load_target(name_or_path: str, dtype: str, device_map: str | None = None) ->
 
 
 def unwrap(model):
-    """The model inside a DistributedDataParallel (or similar) wrapper."""
-    return getattr(model, "module", model)
+    """The model inside its DistributedDataParallel (or similar) and `torch.compile` wrappers."""
+    return extract_model_from_parallel(model, keep_torch_compile=False)
 
 
 def loss_autocast(trainer: Trainer, model) -> contextlib.AbstractContextManager:

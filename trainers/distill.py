@@ -24,7 +24,7 @@ from osprey.zoo import load_tokenizer
 from .data import DatasetArguments, load_text_dataset
 from .devices import load_target, loss_autocast, set_device_defaults, unwrap
 from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset, TargetHead, greedy_tokens
-from .losses import soft_cross_entropy, target_distribution
+from .losses import compute_dtype, linear_soft_cross_entropy, target_distribution
 from .pretrain import resume_argument
 from .tokenization import tokenize_dataset
 
@@ -106,6 +106,12 @@ class TTTOutput:
     step_logits: list[tuple[torch.BoolTensor, torch.Tensor]] | None = None  # (positions counted, their logits)
 
 
+def label_positions(loss_mask: torch.Tensor) -> torch.BoolTensor:
+    """Where the target's next-token distribution is a TTT label: position `j` predicts token `j + 1`, and that
+    token is one to train on (`loss_mask[:, j + 1]`)."""
+    return F.pad(loss_mask[:, 1:].bool(), (0, 1))
+
+
 def ttt_loss(
     drafter,
     input_ids: torch.LongTensor,
@@ -123,8 +129,9 @@ def ttt_loss(
     Args:
         target_hidden_states: the target's tap features `F`, `(batch, T, fused_feature_size)`.
         target_logits: the target's logits restricted to the draft vocabulary (columns `draft_to_target`),
-            `(batch, T, draft_vocab_size)`; their softmax is the target distribution renormalised over the draft
-            vocabulary, the only part a drafter can put probability on.
+            `(batch, T, draft_vocab_size)`, or only their rows at `label_positions(loss_mask)` in order,
+            `(n, draft_vocab_size)` (the only rows the loss reads); their softmax is the target distribution
+            renormalised over the draft vocabulary, the only part a drafter can put probability on.
         target_argmax: the target's greedy next token over its whole vocabulary, `(batch, T)`, for the accuracy.
         loss_mask: `(batch, T)`, 1 on tokens to train on predicting, 0 on prompt tokens and padding.
 
@@ -141,7 +148,10 @@ def ttt_loss(
     # label_mask[:, j]: P[j] is a label, i.e. the token x_{j+1} it predicts is one to train on. Distributions and
     # drafter logits are computed at labels only: prompt tokens and padding would be most of the head's work.
     label_mask = loss_mask[:, 1:].bool()
-    target_probs = target_distribution(target_logits, F.pad(label_mask, (0, 1)))
+    if target_logits.dim() == 2:  # given at the label positions only
+        target_probs = target_distribution(target_logits)
+    else:
+        target_probs = target_distribution(target_logits, label_positions(loss_mask))
     label_rows = torch.full(label_mask.shape, -1, dtype=torch.long, device=device)
     label_rows[label_mask] = torch.arange(len(target_probs), device=device)
     position_ids = torch.arange(num_positions, device=device)[None]
@@ -150,6 +160,10 @@ def ttt_loss(
     # gradient per batch, not one dense vocabulary-sized gradient per step.
     padded_ids = F.pad(input_ids, (0, num_steps))
     embeddings = unwrap(drafter).get_input_embeddings()(padded_ids)
+    # The LM head, applied by the loss a chunk of rows at a time; cast once for the five steps (as autocast's cache
+    # would for `nn.Linear`), its five gradients summed in that dtype before the one cast back.
+    head = unwrap(drafter).lm_head.weight
+    head = head.to(compute_dtype(head))
     loss = torch.zeros((), device=device)
     step_losses, step_correct, step_counts, step_logits = [], [], [], []
     hidden_states = None
@@ -175,11 +189,12 @@ def ttt_loss(
             use_cache=True,
             logits_to_keep=counted,
             inputs_embeds=embeddings[:, 1 + step : 1 + step + num_positions],
+            skip_logits=True,
             **features,
         )
         hidden_states = outputs.prenorm_hidden_states
         rows = label_rows[:, labels][label_mask[:, labels]]
-        cross_entropy, draft_argmax = soft_cross_entropy(outputs.logits, target_probs, rows)
+        cross_entropy, draft_argmax = linear_soft_cross_entropy(outputs.last_hidden_state, head, target_probs, rows)
         count = counted.sum()
         step_loss = cross_entropy / count.clamp(min=1)
         loss = loss + decay**step * step_loss
@@ -188,7 +203,8 @@ def ttt_loss(
         step_correct.append(correct.sum())
         step_counts.append(count)
         if return_logits:
-            step_logits.append((counted, outputs.logits))
+            with torch.no_grad():
+                step_logits.append((counted, unwrap(drafter).lm_head(outputs.last_hidden_state)))
     return TTTOutput(
         loss=loss,
         step_losses=torch.stack(step_losses),
@@ -292,9 +308,9 @@ class OspreyDistillTrainer(Trainer):
     def _target_signals(self, inputs: dict, drafter) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tap features, logits over the draft vocabulary and full-vocabulary greedy tokens of the target."""
         draft_to_target = drafter.draft_to_target
-        if self.target_head is not None:
-            logits = self.target_head(inputs["target_last_hidden_state"])
-            return inputs["target_hidden_states"], logits, inputs["target_argmax"]
+        if self.target_head is not None:  # the logits at the label positions only: the rest would go unread
+            hidden_states = inputs["target_last_hidden_state"][label_positions(inputs["loss_mask"])]
+            return inputs["target_hidden_states"], self.target_head(hidden_states), inputs["target_argmax"]
         features, logits = extract_target_features(
             self.target_model, inputs["input_ids"], drafter.config.target_layer_ids, inputs["attention_mask"]
         )

@@ -68,12 +68,14 @@ class TargetHead(nn.Module):
         return cls(head.weight.detach(), None if bias is None else bias.detach(), softcapping)
 
     def forward(self, hidden_states: torch.Tensor, rows: torch.LongTensor | None = None) -> torch.Tensor:
-        """Float32 logits, over vocabulary `rows` only when given (the draft vocabulary: a fraction of the work)."""
+        """Logits in the head's dtype (float32 where soft-capped), over vocabulary `rows` only when given (the draft
+        vocabulary: a fraction of the work). Consumers upcast the rows they use: a float32 copy of every logit would
+        cost a pass over `(tokens, vocabulary)` for nothing."""
         weight = self.weight if rows is None else self.weight[rows]
         bias = self.bias if self.bias is None or rows is None else self.bias[rows]
-        logits = F.linear(hidden_states.to(weight.dtype), weight, bias).float()
+        logits = F.linear(hidden_states.to(weight.dtype), weight, bias)
         if self.final_logit_softcapping:
-            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+            logits = torch.tanh(logits.float() / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits
 
 

@@ -5,6 +5,11 @@ log-softmax, the product with the targets, the backward's softmax, casts); on a 
 the LM head's matmuls. Here one function computes, per row, the loss, the argmax (for accuracy) and the gradient
 `softmax - target` in the logits' dtype, and backward only scales that gradient. Above a few million logits the row
 function runs `torch.compile`d, which fuses it into one kernel; below, eagerly, a chunk of rows at a time.
+
+`linear_soft_cross_entropy` also folds the LM head into the loss: the logits of `chunk_size` rows at a time are
+computed, reduced to loss, argmax and gradient, and dropped, so no `(rows, vocabulary)` logits tensor is ever written
+out and read back (on this project's 2-core CPU the head's forward GEMM also runs ~1.4x faster in chunks of a few
+hundred rows than over 2,000 at once; see docs/training.md, "Training throughput").
 """
 
 import torch
@@ -28,6 +33,34 @@ def soft_cross_entropy(
     return _FusedCrossEntropy.apply(logits, target_probs, rows, function, chunk_size)
 
 
+def linear_soft_cross_entropy(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    target_probs: torch.Tensor,
+    rows: torch.LongTensor | None = None,
+    compile: bool | None = None,
+    chunk_size: int = 256,
+) -> tuple[torch.Tensor, torch.LongTensor]:
+    """`soft_cross_entropy(hidden_states @ weight.T, target_probs, rows)` for an LM head without bias, in `chunk_size`
+    rows at a time: the `(N, V)` logits never exist, only their gradient (kept for backward, in the logits' dtype).
+
+    The logits are computed in `compute_dtype(hidden_states)` (bfloat16 under a bf16 autocast, as `nn.Linear` would);
+    the gradients come back in `hidden_states`' and `weight`'s own dtypes.
+    """
+    if compile is None:
+        compile = hidden_states.shape[0] * weight.shape[0] > COMPILE_ABOVE
+    function = _compiled(_soft_rows) if compile else _soft_rows
+    return _FusedLinearCrossEntropy.apply(hidden_states, weight, target_probs, rows, function, chunk_size)
+
+
+def compute_dtype(hidden_states: torch.Tensor) -> torch.dtype:
+    """The dtype an `nn.Linear` would compute in here: the autocast dtype where autocast is on, else the input's."""
+    device_type = hidden_states.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return hidden_states.dtype
+
+
 def token_cross_entropy(
     logits: torch.Tensor,
     labels: torch.LongTensor,
@@ -43,23 +76,33 @@ def token_cross_entropy(
     return loss, correct.sum()
 
 
-def target_distribution(target_logits: torch.Tensor, mask: torch.BoolTensor, compile: bool | None = None):
-    """`target_logits[mask].float().softmax(-1)`: the target's distributions at the masked positions, in float32."""
+def target_distribution(
+    target_logits: torch.Tensor, mask: torch.BoolTensor | None = None, compile: bool | None = None
+) -> torch.Tensor:
+    """`target_logits[mask].float().softmax(-1)`: the target's distributions at the masked positions (every row of
+    `(n, vocabulary)` logits without a mask), in float32."""
     function, _ = _row_function(_gathered_softmax, target_logits, compile, 0)
+    if mask is None:
+        return function(target_logits, None)
     return function(target_logits.flatten(0, -2), mask.flatten().nonzero().squeeze(1))
 
 
 def _gathered_softmax(logits, index):
-    return logits[index].float().softmax(dim=-1)
+    return (logits if index is None else logits[index]).float().softmax(dim=-1)
 
 
-def _soft_rows(logits, target_probs, rows):
+def _soft_rows(logits, target_probs, rows, out=None):
+    """Loss, argmax and gradient of rows of logits; the gradient is written into `out` when given (a slice of a
+    larger buffer: compiled, the kernel writes it in place instead of returning a copy to be copied)."""
     scores = logits.float()
     probs = target_probs if rows is None else target_probs[rows]
     log_normalizer = scores.logsumexp(dim=-1, keepdim=True)
     loss = (log_normalizer.squeeze(-1) * probs.sum(dim=-1)).sum() - (probs * scores).sum()
-    grad = (scores - log_normalizer).exp() - probs
-    return loss, _argmax(scores), grad.to(logits.dtype)
+    grad = ((scores - log_normalizer).exp() - probs).to(logits.dtype)
+    if out is None:
+        return loss, _argmax(scores), grad
+    out.copy_(grad)
+    return loss, _argmax(scores), None
 
 
 def _token_rows(logits, labels, rows):
@@ -92,9 +135,13 @@ def _row_function(row_function, logits: torch.Tensor, compile: bool | None, chun
         compile = logits.numel() > COMPILE_ABOVE
     if not compile:
         return row_function, chunk_size
+    return _compiled(row_function), len(logits)
+
+
+def _compiled(row_function):
     if row_function not in _COMPILED:
         _COMPILED[row_function] = torch.compile(row_function, dynamic=True)
-    return _COMPILED[row_function], len(logits)
+    return _COMPILED[row_function]
 
 
 class _FusedCrossEntropy(torch.autograd.Function):
@@ -126,3 +173,45 @@ class _FusedCrossEntropy(torch.autograd.Function):
             raise RuntimeError("The fused cross-entropy scales its saved gradient in place: backward runs once.")
         ctx.backward_done = True
         return grad.mul_(grad_total.to(grad.dtype)), None, None, None, None
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """`_FusedCrossEntropy` over `hidden_states @ weight.T`, the logits made and consumed a chunk of rows at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, weight, targets, rows, row_function, chunk_size):
+        dtype = compute_dtype(hidden_states)
+        with torch.autocast(hidden_states.device.type, enabled=False):
+            inputs, head = hidden_states.to(dtype), weight.to(dtype)
+            total = torch.zeros((), dtype=torch.float32, device=inputs.device)
+            per_row, grad = [], inputs.new_empty(len(inputs), len(head))
+            for start in range(0, len(inputs), chunk_size):
+                chunk = slice(start, start + chunk_size)
+                chunk_targets = targets[chunk] if rows is None else targets
+                chunk_rows = None if rows is None else rows[chunk]
+                loss, row_result, _ = row_function(inputs[chunk] @ head.T, chunk_targets, chunk_rows, grad[chunk])
+                total += loss
+                per_row.append(row_result)
+        ctx.save_for_backward(grad, inputs, head)
+        ctx.dtypes = hidden_states.dtype, weight.dtype
+        ctx.backward_done = False
+        per_row = torch.cat(per_row) if per_row else torch.zeros(0, dtype=torch.long, device=inputs.device)
+        ctx.mark_non_differentiable(per_row)
+        return total, per_row
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_total, grad_per_row):
+        grad, inputs, head = ctx.saved_tensors
+        if ctx.backward_done:
+            raise RuntimeError("The fused cross-entropy scales its saved gradient in place: backward runs once.")
+        ctx.backward_done = True
+        grad.mul_(grad_total.to(grad.dtype))
+        hidden_dtype, weight_dtype = ctx.dtypes
+        grad_hidden = grad_weight = None
+        with torch.autocast(inputs.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_hidden = (grad @ head).to(hidden_dtype)
+            if ctx.needs_input_grad[1]:
+                grad_weight = (grad.T @ inputs).to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None

@@ -165,6 +165,16 @@ def distill_worker(name: str, steps: int) -> dict:
     return timer.result(tokens_per_step)
 
 
+def pretrain_precision() -> dict:
+    """`bf16` / `use_cpu` as the measured checkout's own stage-2 config sets them (absent: the trainer's default)."""
+    import yaml
+
+    import trainers
+
+    config = yaml.safe_load((Path(trainers.__file__).parent / "configs" / "pretrain-smollm2-2l.yaml").read_text())
+    return {key: config[key] for key in ("bf16", "use_cpu") if key in config}
+
+
 def pretrain_worker(steps: int) -> dict:
     import torch
     from datasets import Dataset
@@ -195,12 +205,14 @@ def pretrain_worker(steps: int) -> dict:
             logging_steps=1000,
             seed=0,
             dataloader_drop_last=True,
+            **pretrain_precision(),
         )
         trainer = OspreyPretrainer(
             model, config, train_dataset=dataset, processing_class=tokenizer, callbacks=[timer.callback]
         )
         trainer.train()
-    return timer.result(spec["batch_size"] * spec["seq_len"] * spec["accumulation"])
+    result = timer.result(spec["batch_size"] * spec["seq_len"] * spec["accumulation"])
+    return {**result, "precision": "bf16 autocast" if config.bf16 else "float32"}
 
 
 def features_worker(num_sequences: int) -> dict:
