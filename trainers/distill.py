@@ -147,7 +147,7 @@ def ttt_loss(
     device = input_ids.device
     # label_mask[:, j]: P[j] is a label, i.e. the token x_{j+1} it predicts is one to train on. Distributions and
     # drafter logits are computed at labels only: prompt tokens and padding would be most of the head's work.
-    label_mask = loss_mask[:, 1:].bool()
+    label_mask = label_positions(loss_mask)[:, :-1]
     if target_logits.dim() == 2:  # given at the label positions only
         target_probs = target_distribution(target_logits)
     else:
