@@ -99,22 +99,27 @@ def _soft_rows(logits, target_probs, rows, out=None):
     log_normalizer = scores.logsumexp(dim=-1, keepdim=True)
     loss = (log_normalizer.squeeze(-1) * probs.sum(dim=-1)).sum() - (probs * scores).sum()
     grad = ((scores - log_normalizer).exp() - probs).to(logits.dtype)
-    if out is None:
-        return loss, _argmax(scores), grad
-    out.copy_(grad)
-    return loss, _argmax(scores), None
+    return loss, _argmax(scores), _written(grad, out)
 
 
-def _token_rows(logits, labels, rows):
-    """Rows with label -1 are ignored: no loss, zero gradient, never correct."""
+def _token_rows(logits, labels, rows, out=None):
+    """Rows with label -1 are ignored: no loss, zero gradient, never correct. `out` as for `_soft_rows`."""
     scores = logits.float()
     valid = labels >= 0
     log_normalizer = scores.logsumexp(dim=-1, keepdim=True)
     label_scores = scores.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
     loss = torch.where(valid, log_normalizer.squeeze(-1) - label_scores, 0.0).sum()
     one_hot = torch.arange(scores.shape[1], device=scores.device)[None] == labels[:, None]
-    grad = torch.where(valid[:, None], (scores - log_normalizer).exp() - one_hot.float(), 0.0)
-    return loss, (_argmax(scores) == labels) & valid, grad.to(logits.dtype)
+    grad = torch.where(valid[:, None], (scores - log_normalizer).exp() - one_hot.float(), 0.0).to(logits.dtype)
+    return loss, (_argmax(scores) == labels) & valid, _written(grad, out)
+
+
+def _written(grad: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
+    """A row function's gradient: returned, or copied into `out` (then None)."""
+    if out is None:
+        return grad
+    out.copy_(grad)
+    return None
 
 
 def _argmax(scores: torch.Tensor) -> torch.LongTensor:
@@ -144,22 +149,38 @@ def _compiled(row_function):
     return _COMPILED[row_function]
 
 
+def _in_chunks(logits_of, targets, rows, row_function, chunk_size, grad):
+    """Runs `row_function` over `chunk_size` rows at a time, `logits_of(chunk)` giving their logits, each chunk's
+    gradient written into its rows of `grad`; returns the summed loss and the per-row results."""
+    total = torch.zeros((), dtype=torch.float32, device=grad.device)
+    per_row = []
+    for start in range(0, len(grad), chunk_size):
+        chunk = slice(start, start + chunk_size)
+        chunk_targets = targets[chunk] if rows is None else targets
+        chunk_rows = None if rows is None else rows[chunk]
+        loss, row_result, _ = row_function(logits_of(chunk), chunk_targets, chunk_rows, grad[chunk])
+        total += loss
+        per_row.append(row_result)
+    per_row = torch.cat(per_row) if per_row else torch.zeros(0, dtype=torch.long, device=grad.device)
+    return total, per_row
+
+
+def _scaled_once(ctx, grad: torch.Tensor, grad_total: torch.Tensor) -> torch.Tensor:
+    """The saved gradient scaled in place by the loss's upstream gradient, which only one backward may do."""
+    if ctx.backward_done:
+        raise RuntimeError("The fused cross-entropy scales its saved gradient in place: backward runs once.")
+    ctx.backward_done = True
+    return grad.mul_(grad_total.to(grad.dtype))
+
+
 class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, rows, row_function, chunk_size):
         if chunk_size >= len(logits):
             total, per_row, grad = row_function(logits, targets, rows)
         else:
-            total = torch.zeros((), dtype=torch.float32, device=logits.device)
-            per_row, grad = [], torch.empty_like(logits)
-            for start in range(0, len(logits), chunk_size):
-                chunk = slice(start, start + chunk_size)
-                chunk_targets = targets[chunk] if rows is None else targets
-                chunk_rows = None if rows is None else rows[chunk]
-                loss, row_result, grad[chunk] = row_function(logits[chunk], chunk_targets, chunk_rows)
-                total += loss
-                per_row.append(row_result)
-            per_row = torch.cat(per_row)
+            grad = torch.empty_like(logits)
+            total, per_row = _in_chunks(lambda chunk: logits[chunk], targets, rows, row_function, chunk_size, grad)
         ctx.save_for_backward(grad)
         ctx.backward_done = False
         ctx.mark_non_differentiable(per_row)
@@ -169,10 +190,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_total, grad_per_row):
         (grad,) = ctx.saved_tensors
-        if ctx.backward_done:
-            raise RuntimeError("The fused cross-entropy scales its saved gradient in place: backward runs once.")
-        ctx.backward_done = True
-        return grad.mul_(grad_total.to(grad.dtype)), None, None, None, None
+        return _scaled_once(ctx, grad, grad_total), None, None, None, None
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -183,19 +201,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         dtype = compute_dtype(hidden_states)
         with torch.autocast(hidden_states.device.type, enabled=False):
             inputs, head = hidden_states.to(dtype), weight.to(dtype)
-            total = torch.zeros((), dtype=torch.float32, device=inputs.device)
-            per_row, grad = [], inputs.new_empty(len(inputs), len(head))
-            for start in range(0, len(inputs), chunk_size):
-                chunk = slice(start, start + chunk_size)
-                chunk_targets = targets[chunk] if rows is None else targets
-                chunk_rows = None if rows is None else rows[chunk]
-                loss, row_result, _ = row_function(inputs[chunk] @ head.T, chunk_targets, chunk_rows, grad[chunk])
-                total += loss
-                per_row.append(row_result)
+            grad = inputs.new_empty(len(inputs), len(head))
+            total, per_row = _in_chunks(
+                lambda chunk: inputs[chunk] @ head.T, targets, rows, row_function, chunk_size, grad
+            )
         ctx.save_for_backward(grad, inputs, head)
         ctx.dtypes = hidden_states.dtype, weight.dtype
         ctx.backward_done = False
-        per_row = torch.cat(per_row) if per_row else torch.zeros(0, dtype=torch.long, device=inputs.device)
         ctx.mark_non_differentiable(per_row)
         return total, per_row
 
@@ -203,10 +215,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_total, grad_per_row):
         grad, inputs, head = ctx.saved_tensors
-        if ctx.backward_done:
-            raise RuntimeError("The fused cross-entropy scales its saved gradient in place: backward runs once.")
-        ctx.backward_done = True
-        grad.mul_(grad_total.to(grad.dtype))
+        _scaled_once(ctx, grad, grad_total)
         hidden_dtype, weight_dtype = ctx.dtypes
         grad_hidden = grad_weight = None
         with torch.autocast(inputs.device.type, enabled=False):
