@@ -21,11 +21,12 @@
 #   nohup benchmarks/replication/qwen_drafter.sh > /work/runs/qwen-drafter.log 2>&1 &
 #
 # `qwen_drafter.sh controls` distils the two controls of the paper's table from the same osprey-init on exactly
-# Osprey's rounds 1 and 2 (same configs, data, order and seeds: 680 steps, ~0.73 M token-passes), side by side with
-# one thread each: the body-random `scratch` drafter and an `eagle3` drafter (one block at the target's width). Their
-# held-out TTT accuracy at steps 60, 180, 430 and 680 is Osprey's learning curve's first four points at equal budget
-# (benchmarks/replication/qwen_curves.py), and all three round-1 drafters are benchmarked for τ in between (~3 h of
-# 2 cores in all; rerun to resume).
+# Osprey's three rounds (same configs, data, order and seeds: 680 steps and ~0.73 M token-passes after round 2, 1,480
+# and ~1.55 M after round 3), side by side with one thread each: the body-random `scratch` drafter and an `eagle3`
+# drafter (one block at the target's width). Their held-out TTT accuracy at steps 60, 180, 430 and 680 (and round 3's
+# evaluations) are Osprey's learning curve's points at equal budget (benchmarks/replication/qwen_curves.py), and τ of
+# the three drafters is benchmarked after the first 60 steps and after each round on a fixed 25-prompt subset
+# (~3 h of 2 cores to round 2, ~2 h more for round 3; rerun to resume).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-/work/runs}
@@ -107,8 +108,9 @@ if [ "$MODE" = controls ]; then
     for pid in "${pids[@]}"; do wait "$pid"; done
   }
   controls round1
-  round1 "$OUT/osprey-init" "$OUT/"  # Osprey's own round 1 (kept on the machine that distilled the shipped drafter)
-  equal_budget() {  # $1: round1|round2|round3, $2: Osprey's drafter at that round. τ at equal budget on a fixed
+  round1 "$OUT/osprey-init" "$OUT/"  # Osprey's own round 1 (the machine that distilled the shipped drafter kept only
+  # its end: its 60-step point was distilled again, in session 12, by this line)
+  equal_budget() {  # $1: round1-epoch1|round1|round2|round3, $2: Osprey's drafter then. τ at equal budget on a fixed
     # 25-prompt subset, one per category of the replication's suites; greedy τ needs no target-alone run. A bench
     # resumes its results file, so a rerun only measures what is missing.
     $OSPREY bench --target $TARGET --drafter osprey="$2" --drafter scratch="$OUT/scratch-$1" \
@@ -116,7 +118,8 @@ if [ "$MODE" = controls ]; then
       --prompts humaneval --prompts mmath --per-category 1 --max-new-tokens 48 --dtype bfloat16 \
       --output benchmarks/results/equal-budget-$TARGET-$1.json
   }
-  equal_budget round1 "$OUT/round1"  # 218 k token-passes
+  equal_budget round1-epoch1 "$OUT/round1-epoch1"  # 73 k token-passes
+  equal_budget round1 "$OUT/round1"  # 218 k
   controls round2
   equal_budget round2 "$OUT/round2"  # 731 k
   features "$OUT/features-1616" --max-examples 1616
