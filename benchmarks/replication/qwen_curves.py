@@ -1,6 +1,6 @@
 """Held-out learning curves of the Qwen-backbone Osprey drafter and its two controls at equal budget (issue 17 §3),
 and the sample efficiency read off them: how many token-passes Osprey needs to reach each control's final held-out
-TTT accuracy.
+TTT accuracy, and its final τ on the equal-budget benches' 25 prompts.
 
     python benchmarks/replication/qwen_curves.py /work/runs/qwen-drafter \
         --output benchmarks/results/learning-curves-qwen-controls
@@ -9,13 +9,17 @@ The controls are the runs of `qwen_drafter.sh controls` (`RUN_DIR/{scratch,eagle
 Osprey's rounds 1 and 2 (same configs, data, order and seeds) from `osprey baseline {scratch,eagle3} --like
 osprey-init`. Osprey's points are the committed record of its own runs (`learning-curve-qwen-drafter.json`, rounds 1
 and 2). A point is one evaluation of a run on the 48 held-out conversations; token-passes count the training tokens
-seen, epochs x the round's tokens, summed over the runs before it.
+seen, epochs x the round's tokens, summed over the runs before it. The τ curves are the greedy benches that
+`qwen_drafter.sh controls` runs after round 1's first 60 steps and after each round
+(`benchmarks/results/equal-budget-qwen2.5-coder-1.5b-instruct-RUN.json`, whichever exist), τ the mean over a bench's
+requests.
 """
 
 import argparse
 import ast
 import json
 import re
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -29,6 +33,9 @@ OSPREY_RECORD = RESULTS / "learning-curve-qwen-drafter.json"
 RUNS = (("round1-epoch1", 72_749), ("round1", 72_749), ("round2", 209_006))
 CONTROLS = ("scratch", "eagle3")
 TTT_STEPS = 5
+TARGET = "qwen2.5-coder-1.5b-instruct"
+# the equal-budget benches: (run, total optimizer steps at its end); every drafter sees the same steps and data
+BENCHED_RUNS = (("round1-epoch1", 60), ("round1", 180), ("round2", 680), ("round3", 1480))
 
 
 def last_logged_evaluation(log_path: Path) -> dict | None:
@@ -92,6 +99,30 @@ def tokens_to_reach(curve: list[dict], accuracy: float, key: str = "heldout_ttt_
     return {"token_passes": None, "bound": "not reached"}
 
 
+def tau_curves(token_passes_at: dict[int, int]) -> dict[str, list[dict]]:
+    """Per drafter of the equal-budget benches, its τ after each benched run; `token_passes_at` maps total optimizer
+    steps to token-passes."""
+    curves: dict[str, list[dict]] = {}
+    for run, total_steps in BENCHED_RUNS:
+        path = RESULTS / f"equal-budget-{TARGET}-{run}.json"
+        if not path.is_file():
+            continue
+        taus: dict[str, list[float]] = {}
+        for request in json.loads(path.read_text())["requests"]:
+            taus.setdefault(request["method"], []).append(request["tau"])
+        for method, values in taus.items():
+            curves.setdefault(method, []).append(
+                {
+                    "run": run,
+                    "total_steps": total_steps,
+                    "token_passes": token_passes_at[total_steps],
+                    "prompts": len(values),
+                    "tau": round(statistics.mean(values), 4),
+                }
+            )
+    return curves
+
+
 def with_mean(point: dict) -> dict:
     """`point` plus the mean held-out accuracy over the TTT steps: what a whole chain's acceptance follows."""
     steps = [point[f"heldout_ttt_acc_{k}"] for k in range(TTT_STEPS)]
@@ -121,8 +152,13 @@ def sample_efficiency(osprey: list[dict], controls: dict[str, list[dict]], key: 
     return efficiency
 
 
-def plot(curves: dict[str, list[dict]], path: Path) -> None:
-    figure, axes = plt.subplots(figsize=(7, 4))
+def plot(curves: dict[str, list[dict]], taus: dict[str, list[dict]], path: Path) -> None:
+    figure, (axes, tau_axes) = plt.subplots(1, 2, figsize=(12, 4))
+    for name, curve in taus.items():
+        passes = [point["token_passes"] / 1e6 for point in curve]
+        tau_axes.plot(passes, [point["tau"] for point in curve], "o-", label=name)
+    tau_axes.set(xlabel="distillation token-passes (M)", ylabel="τ, greedy, 25 prompts", title="Mean acceptance length")
+    tau_axes.legend(fontsize="small")
     for name, curve in curves.items():
         passes = [point["token_passes"] / 1e6 for point in curve]
         (line,) = axes.plot(passes, [point["heldout_ttt_acc_0"] for point in curve], "o-", label=f"{name}, step 0")
@@ -149,11 +185,13 @@ def main() -> None:
     parser.add_argument("run_dir", type=Path, help="the qwen_drafter.sh output folder (RUNS/qwen-drafter)")
     parser.add_argument("--output", type=Path, required=True, help="path without suffix: writes .json and .png")
     args = parser.parse_args()
+    osprey_points = json.loads(OSPREY_RECORD.read_text())["points"]
     osprey = [
         with_mean({key: value for key, value in point.items() if key != "round"})
-        for point in json.loads(OSPREY_RECORD.read_text())["points"]
+        for point in osprey_points
         if point["round"] <= 2
     ]
+    taus = tau_curves({point["total_steps"]: point["token_passes"] for point in osprey_points})
     controls = {control: [with_mean(point) for point in control_curve(args.run_dir, control)] for control in CONTROLS}
     if not any(controls.values()):
         raise SystemExit(f"no evaluated control run under {args.run_dir}: run qwen_drafter.sh controls first")
@@ -168,10 +206,14 @@ def main() -> None:
             "first_draft_position": sample_efficiency(osprey, controls),
             "mean_over_ttt_steps": sample_efficiency(osprey, controls, "heldout_ttt_acc_mean"),
         },
+        "tau_curves": taus,
+        "tau_sample_efficiency": sample_efficiency(
+            taus.get("osprey", []), {control: taus.get(control, []) for control in CONTROLS}, "tau"
+        ),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.output}.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(curves, Path(f"{args.output}.png"))
+    plot(curves, taus, Path(f"{args.output}.png"))
     for name, curve in curves.items():
         print(
             name,
@@ -179,7 +221,9 @@ def main() -> None:
                 f"{p['token_passes']}:{p['heldout_ttt_acc_0']:.3f}/{p['heldout_ttt_acc_mean']:.3f}" for p in curve
             ),
         )
-    print(json.dumps(results["sample_efficiency"], indent=1))
+    for name, curve in taus.items():
+        print(f"τ {name}", " ".join(f"{p['token_passes']}:{p['tau']:.3f}" for p in curve))
+    print(json.dumps({key: results[key] for key in ("sample_efficiency", "tau_sample_efficiency")}, indent=1))
 
 
 if __name__ == "__main__":
