@@ -6,6 +6,13 @@ checkout: it uses only the API both share (`OspreyDistillTrainer`, `OspreyPretra
 `TargetHead`, `build_feature_cache`), so the same worker times both.
 
     python trainers/throughput_worker.py distill|pretrain|features|matmul|configs ARGS...
+
+It also profiles a distillation step, the start of any work on its speed (one thread, as the throughput runs):
+
+    OMP_NUM_THREADS=1 python trainers/throughput_worker.py profile distill-qwen2.5-coder-1.5b [ROWS]
+
+prints the ops by self CPU time (stderr), then the step's milliseconds per token in matmuls, the compiled loss
+kernels, the chain attention and the rest (stdout, JSON). The profiler adds a few percent to small ops.
 """
 
 import json
@@ -93,7 +100,7 @@ def zoo_dir(name: str) -> Path:
     return Path(os.environ.get("OSPREY_HOME", "~/.cache/osprey")).expanduser() / "models" / name
 
 
-def distill_worker(name: str, steps: int) -> dict:
+def distill_worker(name: str, steps: int, callbacks: tuple = ()) -> dict:
     import torch
 
     from modeling_osprey import OspreyConfig, OspreyForDrafting
@@ -160,7 +167,7 @@ def distill_worker(name: str, steps: int) -> dict:
             bf16=True,
             use_cpu=True,
         )
-        trainer = OspreyDistillTrainer(drafter, config, train_dataset=dataset, callbacks=[timer.callback])
+        trainer = OspreyDistillTrainer(drafter, config, train_dataset=dataset, callbacks=[timer.callback, *callbacks])
         trainer.train()
     return timer.result(tokens_per_step)
 
@@ -268,6 +275,50 @@ def matmul_worker(shapes: list[list[int]]) -> dict:
     return rates
 
 
+PROFILE_PARTS = {  # part of a profiled step: substrings of the op names it sums
+    "matmul": ("aten::mm", "aten::bmm", "aten::addmm"),
+    "loss kernels (compiled)": ("CompiledFxGraph",),
+    "attention": ("scaled_dot_product",),
+}
+
+
+def profile_worker(name: str, rows: int = 30) -> dict:
+    """One distillation step of a config under `torch.profiler`, after one warm-up step: prints the ops by self CPU
+    time and returns the step's split into PROFILE_PARTS and the rest, in milliseconds per trained token."""
+    import transformers
+    from torch.profiler import ProfilerActivity, profile
+
+    class ProfileSecondStep(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                self.profiler = profile(activities=[ProfilerActivity.CPU])
+                self.profiler.__enter__()
+                self.wall = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                self.profiler.__exit__(None, None, None)
+                self.wall = time.perf_counter() - self.wall
+
+    callback = ProfileSecondStep()
+    distill_worker(name, 1, callbacks=(callback,))
+    spec = DISTILL_CONFIGS[name]
+    tokens = spec["batch_size"] * spec["seq_len"] * spec["accumulation"]
+    events = callback.profiler.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60), file=sys.stderr)
+    split = dict.fromkeys([*PROFILE_PARTS, "rest"], 0.0)
+    for event in events:
+        part = next((part for part, keys in PROFILE_PARTS.items() if any(key in event.key for key in keys)), "rest")
+        split[part] += event.self_cpu_time_total / 1000 / tokens  # microseconds to ms per token
+    return {
+        "config": name,
+        "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
+        "tokens": tokens,
+        "step_wall_s_profiled": round(callback.wall, 2),
+        "ms_per_token": {part: round(ms, 3) for part, ms in split.items()},
+    }
+
+
 def main(argv: list[str]) -> int:
     kind, *rest = argv
     workers = {
@@ -275,6 +326,7 @@ def main(argv: list[str]) -> int:
         "pretrain": lambda: pretrain_worker(int(rest[0])),
         "features": lambda: features_worker(int(rest[0])),
         "matmul": lambda: matmul_worker(json.loads(rest[0])),
+        "profile": lambda: profile_worker(rest[0], *map(int, rest[1:])),
         "configs": lambda: {"distill": DISTILL_CONFIGS, "pretrain": PRETRAIN_CONFIG, "pretrain_model": SMOLLM2_2L},
     }
     print(json.dumps(workers[kind]()))
