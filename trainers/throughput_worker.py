@@ -71,6 +71,11 @@ SMOLLM2_135M = "smollm2-135m-instruct"
 # JSON line. They use only the API both versions share.
 
 
+def tokens_per_step(spec: dict) -> int:
+    """Tokens one optimizer step trains on, for a config of DISTILL_CONFIGS or PRETRAIN_CONFIG."""
+    return spec["batch_size"] * spec["seq_len"] * spec["accumulation"]
+
+
 class _StepTimer:
     def __init__(self):
         import transformers
@@ -85,12 +90,12 @@ class _StepTimer:
         self.steps: list[tuple[float, float]] = []
         self.callback = Callback()
 
-    def result(self, tokens_per_step: int) -> dict:
+    def result(self, tokens: int) -> dict:
         timed = self.steps[1:]  # the first step warms up (allocations, torch.compile)
         wall, cpu = sum(step[0] for step in timed), sum(step[1] for step in timed)
         return {
-            "tokens_per_s": tokens_per_step * len(timed) / wall,
-            "cpu_s_per_1k_tokens": 1000 * cpu / (tokens_per_step * len(timed)),
+            "tokens_per_s": tokens * len(timed) / wall,
+            "cpu_s_per_1k_tokens": 1000 * cpu / (tokens * len(timed)),
             "step_wall_s": [round(step[0], 2) for step in self.steps],
         }
 
@@ -146,7 +151,6 @@ def distill_worker(name: str, steps: int, callbacks: tuple = ()) -> dict:
             weight = torch.randn(vocab, width, generator=torch.Generator().manual_seed(2)).bfloat16()
             return TargetHead(weight.mul_(width**-0.5))
 
-    tokens_per_step = spec["batch_size"] * spec["seq_len"] * spec["accumulation"]
     dataset = RandomFeatures(spec["batch_size"] * spec["accumulation"] * (steps + 1))
     timer = _StepTimer()
     with tempfile.TemporaryDirectory() as output_dir:
@@ -169,7 +173,7 @@ def distill_worker(name: str, steps: int, callbacks: tuple = ()) -> dict:
         )
         trainer = OspreyDistillTrainer(drafter, config, train_dataset=dataset, callbacks=[timer.callback, *callbacks])
         trainer.train()
-    return timer.result(tokens_per_step)
+    return timer.result(tokens_per_step(spec))
 
 
 def pretrain_precision() -> dict:
@@ -218,7 +222,7 @@ def pretrain_worker(steps: int) -> dict:
             model, config, train_dataset=dataset, processing_class=tokenizer, callbacks=[timer.callback]
         )
         trainer.train()
-    result = timer.result(spec["batch_size"] * spec["seq_len"] * spec["accumulation"])
+    result = timer.result(tokens_per_step(spec))
     return {**result, "precision": "bf16 autocast" if config.bf16 else "float32"}
 
 
@@ -285,6 +289,7 @@ PROFILE_PARTS = {  # part of a profiled step: substrings of the op names it sums
 def profile_worker(name: str, rows: int = 30) -> dict:
     """One distillation step of a config under `torch.profiler`, after one warm-up step: prints the ops by self CPU
     time and returns the step's split into PROFILE_PARTS and the rest, in milliseconds per trained token."""
+    import torch
     import transformers
     from torch.profiler import ProfilerActivity, profile
 
@@ -303,7 +308,7 @@ def profile_worker(name: str, rows: int = 30) -> dict:
     callback = ProfileSecondStep()
     distill_worker(name, 1, callbacks=(callback,))
     spec = DISTILL_CONFIGS[name]
-    tokens = spec["batch_size"] * spec["seq_len"] * spec["accumulation"]
+    tokens = tokens_per_step(spec)
     events = callback.profiler.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60), file=sys.stderr)
     split = dict.fromkeys([*PROFILE_PARTS, "rest"], 0.0)
@@ -312,7 +317,7 @@ def profile_worker(name: str, rows: int = 30) -> dict:
         split[part] += event.self_cpu_time_total / 1000 / tokens  # microseconds to ms per token
     return {
         "config": name,
-        "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
+        "threads": torch.get_num_threads(),
         "tokens": tokens,
         "step_wall_s_profiled": round(callback.wall, 2),
         "ms_per_token": {part: round(ms, 3) for part, ms in split.items()},

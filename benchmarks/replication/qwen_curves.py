@@ -197,7 +197,7 @@ def main() -> None:
         raise SystemExit(f"no evaluated control run under {args.run_dir}: run qwen_drafter.sh controls first")
     curves = {"osprey": osprey} | controls
     results = {
-        "target": "qwen2.5-coder-1.5b-instruct",
+        "target": TARGET,
         "heldout": "48 held-out regenerated ShareGPT conversations; TTT accuracy at draft positions 1..5",
         "budget": "Osprey's rounds 1 and 2 for every drafter: distill-qwen-q05b-epoch1.yaml (60 steps), "
         "-epochs2-3.yaml (120, --seed 1) on 240 conversations, -regen816.yaml (500) on 816; batches of 4",
