@@ -25,6 +25,7 @@ from trainers import (
     OspreyPretrainConfig,
     OspreyPretrainer,
     build_feature_cache,
+    head_for_loss,
     linear_soft_cross_entropy,
     load_text_dataset,
     soft_cross_entropy,
@@ -343,8 +344,10 @@ def test_chunked_soft_cross_entropy_equals_the_plain_one():
 
 
 def test_linear_soft_cross_entropy_equals_the_head_then_the_loss():
-    """The LM head folded into the loss, a chunk of rows at a time (16 here, the last one short): same loss, argmax
-    and gradients for the hidden states and the head as `F.linear` then the plain cross-entropy."""
+    """The LM head folded into the loss, a chunk of rows at a time (16 here, the last one short; the head's GEMM in
+    chunks of 16 or of 24 rows, which do not line up with the loss's), on the head as stored or column-major as the
+    TTT loss passes it: same loss, argmax and gradients for the hidden states and the head as `F.linear` then the
+    plain cross-entropy."""
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(70, 12, generator=generator, requires_grad=True)
     weight = torch.randn(33, 12, generator=generator, requires_grad=True)
@@ -353,13 +356,17 @@ def test_linear_soft_cross_entropy_equals_the_head_then_the_loss():
     logits = torch.nn.functional.linear(hidden, weight)
     expected = torch.nn.functional.cross_entropy(logits, target_probs[rows], reduction="sum")
     expected_grads = torch.autograd.grad(3 * expected, (hidden, weight))
-    for compile in (False, True):
-        loss, argmax = linear_soft_cross_entropy(hidden, weight, target_probs, rows, compile=compile, chunk_size=16)
+    for compile, gemm_chunk_size, layout in [(False, 16, None), (True, 16, None), (False, 24, head_for_loss)]:
+        head = weight if layout is None else layout(weight)
+        loss, argmax = linear_soft_cross_entropy(
+            hidden, head, target_probs, rows, compile=compile, chunk_size=16, gemm_chunk_size=gemm_chunk_size
+        )
         torch.testing.assert_close(loss, expected)
         assert torch.equal(argmax, logits.argmax(-1))
         grads = torch.autograd.grad(3 * loss, (hidden, weight))
         for grad, expected_grad in zip(grads, expected_grads, strict=True):
             torch.testing.assert_close(grad, expected_grad)
+    assert not head_for_loss(weight).is_contiguous() and head_for_loss(weight).T.is_contiguous()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # logits in bf16 as `F.linear` would make them
         loss, _ = linear_soft_cross_entropy(hidden, weight, target_probs, rows, chunk_size=16)
         expected = soft_cross_entropy(torch.nn.functional.linear(hidden, weight), target_probs, rows)[0]

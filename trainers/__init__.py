@@ -15,6 +15,7 @@ _EXPORTS = {
     "ttt_loss": "distill",
     "soft_cross_entropy": "losses",
     "linear_soft_cross_entropy": "losses",
+    "head_for_loss": "losses",
     "token_cross_entropy": "losses",
     "FeatureCacheDataset": "feature_cache",
     "TargetHead": "feature_cache",

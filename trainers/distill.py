@@ -24,7 +24,7 @@ from osprey.zoo import load_tokenizer
 from .data import DatasetArguments, load_text_dataset
 from .devices import load_target, loss_autocast, set_device_defaults, unwrap
 from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset, TargetHead, greedy_tokens
-from .losses import compute_dtype, linear_soft_cross_entropy, target_distribution
+from .losses import head_for_loss, linear_soft_cross_entropy, target_distribution
 from .pretrain import resume_argument
 from .tokenization import tokenize_dataset
 
@@ -160,10 +160,10 @@ def ttt_loss(
     # gradient per batch, not one dense vocabulary-sized gradient per step.
     padded_ids = F.pad(input_ids, (0, num_steps))
     embeddings = unwrap(drafter).get_input_embeddings()(padded_ids)
-    # The LM head, applied by the loss a chunk of rows at a time; cast once for the five steps (as autocast's cache
-    # would for `nn.Linear`), its five gradients summed in that dtype before the one cast back.
-    head = unwrap(drafter).lm_head.weight
-    head = head.to(compute_dtype(head))
+    # The LM head, applied by the loss a chunk of rows at a time; cast (and laid out column-major) once for the five
+    # steps, as autocast's cache would cast it for `nn.Linear`, its five gradients summed in that dtype and layout
+    # before the one copy back.
+    head = head_for_loss(unwrap(drafter).lm_head.weight)
     loss = torch.zeros((), device=device)
     step_losses, step_correct, step_counts, step_logits = [], [], [], []
     hidden_states = None

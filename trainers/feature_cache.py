@@ -31,7 +31,6 @@ from itertools import pairwise
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -67,13 +66,23 @@ class TargetHead(nn.Module):
         bias = getattr(head, "bias", None)
         return cls(head.weight.detach(), None if bias is None else bias.detach(), softcapping)
 
-    def forward(self, hidden_states: torch.Tensor, rows: torch.LongTensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, rows: torch.LongTensor | None = None, chunk_size: int = 512
+    ) -> torch.Tensor:
         """Logits in the head's dtype (float32 where soft-capped), over vocabulary `rows` only when given (the draft
         vocabulary: a fraction of the work). Consumers upcast the rows they use: a float32 copy of every logit would
-        cost a pass over `(tokens, vocabulary)` for nothing."""
+        cost a pass over `(tokens, vocabulary)` for nothing. The GEMM runs `chunk_size` tokens at a time, into one
+        output: on this project's CPU, 2,046 x 1,536 x 32,000 in bf16 ran at ~860 GFLOP/s in chunks of 256-512 rows
+        against ~600 at once (one thread)."""
         weight = self.weight if rows is None else self.weight[rows]
         bias = self.bias if self.bias is None or rows is None else self.bias[rows]
-        logits = F.linear(hidden_states.to(weight.dtype), weight, bias)
+        flat = hidden_states.to(weight.dtype).reshape(-1, hidden_states.shape[-1])
+        logits = flat.new_empty(len(flat), len(weight))
+        for start in range(0, len(flat), chunk_size):
+            torch.mm(flat[start : start + chunk_size], weight.T, out=logits[start : start + chunk_size])
+        if bias is not None:
+            logits += bias
+        logits = logits.view(*hidden_states.shape[:-1], len(weight))
         if self.final_logit_softcapping:
             logits = torch.tanh(logits.float() / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits
