@@ -124,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     head = subprocess.run(
         ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
     ).stdout.strip()
+    changed = subprocess.run(  # the measured trainers are the working tree's: say when it differs from HEAD
+        ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "trainers"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    head += " with uncommitted changes to trainers/" if changed else ""
     records, started = [], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with tempfile.TemporaryDirectory(prefix="osprey-baseline-") as tmp:
         baseline = Path(tmp) / "baseline"
