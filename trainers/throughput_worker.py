@@ -9,10 +9,11 @@ checkout: it uses only the API both share (`OspreyDistillTrainer`, `OspreyPretra
 
 It also profiles a distillation step, the start of any work on its speed (one thread, as the throughput runs):
 
-    OMP_NUM_THREADS=1 python trainers/throughput_worker.py profile distill-qwen2.5-coder-1.5b [ROWS]
+    OMP_NUM_THREADS=1 python trainers/throughput_worker.py profile distill-qwen2.5-coder-1.5b [ROWS] [shapes]
 
-prints the ops by self CPU time (stderr), then the step's milliseconds per token in matmuls, the compiled loss
-kernels, the chain attention and the rest (stdout, JSON). The profiler adds a few percent to small ops.
+prints the ops by self CPU time (stderr; with `shapes`, each op per input shapes), then the step's milliseconds per
+token in matmuls, the compiled loss kernels, the chain attention and the rest (stdout, JSON). The profiler adds a few
+percent to small ops.
 """
 
 import json
@@ -286,9 +287,10 @@ PROFILE_PARTS = {  # part of a profiled step: substrings of the op names it sums
 }
 
 
-def profile_worker(name: str, rows: int = 30) -> dict:
+def profile_worker(name: str, rows: int = 30, shapes: bool = False) -> dict:
     """One distillation step of a config under `torch.profiler`, after one warm-up step: prints the ops by self CPU
-    time and returns the step's split into PROFILE_PARTS and the rest, in milliseconds per trained token."""
+    time (per input shapes with `shapes`) and returns the step's split into PROFILE_PARTS and the rest, in milliseconds
+    per trained token."""
     import torch
     import transformers
     from torch.profiler import ProfilerActivity, profile
@@ -296,7 +298,7 @@ def profile_worker(name: str, rows: int = 30) -> dict:
     class ProfileSecondStep(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             if state.global_step == 1:
-                self.profiler = profile(activities=[ProfilerActivity.CPU])
+                self.profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=shapes)
                 self.profiler.__enter__()
                 self.wall = time.perf_counter()
 
@@ -309,8 +311,11 @@ def profile_worker(name: str, rows: int = 30) -> dict:
     distill_worker(name, 1, callbacks=(callback,))
     spec = DISTILL_CONFIGS[name]
     tokens = tokens_per_step(spec)
-    events = callback.profiler.key_averages()
-    print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60), file=sys.stderr)
+    events = callback.profiler.key_averages(group_by_input_shape=shapes)
+    table = events.table(
+        sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60, max_shapes_column_width=80
+    )
+    print(table, file=sys.stderr)
     split = dict.fromkeys([*PROFILE_PARTS, "rest"], 0.0)
     for event in events:
         part = next((part for part, keys in PROFILE_PARTS.items() if any(key in event.key for key in keys)), "rest")
@@ -331,7 +336,7 @@ def main(argv: list[str]) -> int:
         "pretrain": lambda: pretrain_worker(int(rest[0])),
         "features": lambda: features_worker(int(rest[0])),
         "matmul": lambda: matmul_worker(json.loads(rest[0])),
-        "profile": lambda: profile_worker(rest[0], *map(int, rest[1:])),
+        "profile": lambda: profile_worker(rest[0], *map(int, rest[1:2]), shapes="shapes" in rest[2:]),
         "configs": lambda: {"distill": DISTILL_CONFIGS, "pretrain": PRETRAIN_CONFIG, "pretrain_model": SMOLLM2_2L},
     }
     print(json.dumps(workers[kind]()))
