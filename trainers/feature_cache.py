@@ -72,8 +72,8 @@ class TargetHead(nn.Module):
         """Logits in the head's dtype (float32 where soft-capped), over vocabulary `rows` only when given (the draft
         vocabulary: a fraction of the work). Consumers upcast the rows they use: a float32 copy of every logit would
         cost a pass over `(tokens, vocabulary)` for nothing. The GEMM runs `chunk_size` tokens at a time, into one
-        output: on this project's CPU, 2,046 x 1,536 x 32,000 in bf16 ran at ~860 GFLOP/s in chunks of 256-512 rows
-        against ~600 at once (one thread)."""
+        output: faster on this project's CPU than one GEMM over a batch's ~2,000 label positions
+        (`benchmarks/head_gemm_layouts.py`)."""
         weight = self.weight if rows is None else self.weight[rows]
         bias = self.bias if self.bias is None or rows is None else self.bias[rows]
         flat = hidden_states.to(weight.dtype).reshape(-1, hidden_states.shape[-1])

@@ -65,9 +65,9 @@ def linear_soft_cross_entropy(
 def head_for_loss(weight: torch.Tensor) -> torch.Tensor:
     """An LM head's `(V, H)` weight as `linear_soft_cross_entropy` reads it fastest: cast to `compute_dtype(weight)`
     and column-major (one strided copy, made once for every call that shares the weight). On this project's CPU
-    (oneDNN bf16, one thread, 32,000 x 576 head) the forward's `chunk @ weight.T` then runs at ~1,050 GFLOP/s in
-    chunks of 512 rows instead of ~560 on the row-major weight in chunks of 256, and the weight gradient comes out in
-    the weight's own layout; a differentiable view, so its gradient reaches `weight`."""
+    (oneDNN bf16) the forward's `chunk @ weight.T` runs faster on it than on the row-major weight, and the weight
+    gradient comes out in its layout (`benchmarks/head_gemm_layouts.py`). A differentiable view: its gradient reaches
+    `weight`."""
     # `.to` returns the transposed view itself when the dtype is already right; then `.contiguous()` copies
     return weight.T.to(compute_dtype(weight), memory_format=torch.contiguous_format).contiguous().T
 
@@ -272,8 +272,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # The upstream gradient scales the hidden gradient and the weight gradient's small operand, never the
         # (rows, vocabulary) saved gradient, which stays as saved. The weight gradient is computed transposed,
         # `inputs.T @ grad`: with the small `inputs.T` made contiguous both operands are row-major (`grad.T @ inputs`
-        # reads the large gradient transposed: ~330 against ~650-700 GFLOP/s here), and its transpose is in the layout
-        # of a column-major head.
+        # reads the large gradient transposed, at about half the rate here: benchmarks/head_gemm_layouts.py), and its
+        # transpose is in the layout of a column-major head.
         grad, inputs, head = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
         grad_hidden = grad_weight = None
