@@ -52,6 +52,7 @@ class BenchSettings:
     top_p: float | None = None
     seed: int = 0
     chat_template: bool = True
+    drafter_quantization: str = "none"  # how the drafter methods' drafters run (`load_drafter`'s `quantization`)
 
 
 ROUTES = ("standalone", "hf", "custom")
@@ -402,14 +403,16 @@ def expand_drafter_methods(
     return expanded
 
 
-def load_method(name: str, spec: str, tokenizer, dtype: torch.dtype, device: str) -> BenchMethod:
+def load_method(
+    name: str, spec: str, tokenizer, dtype: torch.dtype, device: str, drafter_quantization: str = "none"
+) -> BenchMethod:
     from .zoo import load_causal_lm, load_tokenizer
 
     kind, _, argument = spec.partition(":")
     drafter_kinds = {spec_kind: (route, tree, lookup) for spec_kind, _, route, tree, lookup in DRAFTER_METHODS.values()}
     if kind in drafter_kinds:
         route, tree, lookup = drafter_kinds[kind]
-        drafter = load_drafter(argument, dtype, device)
+        drafter = load_drafter(argument, dtype, device, quantization=drafter_quantization)
         folder = custom_generate_folder(drafter, argument) if route == "custom" else drafter.name_or_path
         return BenchMethod(name, spec, drafter=drafter, route=route, tree=tree, lookup=lookup, drafter_dir=str(folder))
     if kind == "pld":
@@ -496,12 +499,15 @@ def _run_bench(args) -> int:
         top_p=args.top_p,
         seed=args.seed,
         chat_template=not args.no_chat_template,
+        drafter_quantization=args.drafter_quantization,
     )
     dtype = getattr(torch, args.dtype)
     target, tokenizer = load_causal_lm(args.target, dtype=dtype).to(args.device).eval(), load_tokenizer(args.target)
     if args.draft_topk > 1 and args.tree_size is None:  # the default this target's device gets, recorded
         settings = replace(settings, tree_size=default_tree_size(target, args.num_draft_tokens, args.draft_topk))
-    methods = [load_method(name, spec, tokenizer, dtype, args.device) for name, spec in specs]
+    methods = [
+        load_method(name, spec, tokenizer, dtype, args.device, settings.drafter_quantization) for name, spec in specs
+    ]
     results = run_benchmark(
         target, tokenizer, methods, prompts, settings, output_path=args.output, target_name=args.target
     )

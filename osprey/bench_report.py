@@ -104,9 +104,11 @@ def markdown_table(results: dict) -> str:
     )
     threshold = settings.get("confidence_threshold", 0.0)
     early_stop = f" (a chain stops after a draft of probability < {threshold})" if threshold else ""
+    quantization = settings.get("drafter_quantization", "none")
+    drafters = f", drafters' linear layers in {quantization}" if quantization != "none" else ""
     lines = [
         f"Target `{results['target']}`, {decoding}, up to {settings['max_new_tokens']} new tokens, "
-        f"{settings['num_draft_tokens']} draft tokens per step{early_stop}. Methods: "
+        f"{settings['num_draft_tokens']} draft tokens per step{early_stop}{drafters}. Methods: "
         + ", ".join(f"`{name}` = {spec}" for name, spec in results["methods"].items())
         + "."
     ]

@@ -17,6 +17,8 @@ from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
 from modeling_osprey.decoding_osprey import CPU_DRAFT_TOPK, CPU_TREE_SIZE, DecodingStep, decode
 
+from .pack import DRAFTER_QUANTIZATIONS
+
 
 @dataclass
 class SpeculativeStats:
@@ -259,6 +261,13 @@ def add_decoding_arguments(parser) -> None:
         help="add a prompt-lookup branch of up to this many tokens to every draft (the continuation of the last "
         "2-gram's latest earlier occurrence; no drafter cost), verified with the draft as one tree (0: none)",
     )
+    parser.add_argument(
+        "--drafter-quantization",
+        choices=DRAFTER_QUANTIZATIONS,
+        default="none",
+        help="int8: the drafter's linear layers as dynamic int8 (CPU only; drafting ~3x cheaper here, the drafts "
+        "change a little, the output does not). none: the drafter in --dtype",
+    )
     parser.add_argument("--do-sample", action="store_true", help="sample (lossless) instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int)
@@ -287,7 +296,7 @@ def _run_decode(args) -> int:
 
     dtype = getattr(torch, args.dtype)
     target, tokenizer = load_causal_lm(args.target, dtype=dtype).eval(), load_tokenizer(args.target)
-    drafter = load_drafter(args.drafter, dtype)
+    drafter = load_drafter(args.drafter, dtype, quantization=args.drafter_quantization)
     input_ids = encode_prompt(tokenizer, args.prompt)
     sampling = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     output, stats = speculative_generate(

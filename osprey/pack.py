@@ -22,6 +22,7 @@ of this module goes through those two.
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -133,11 +134,31 @@ def unpack_drafter(packed_dir: str | os.PathLike, output_dir: str | os.PathLike)
     return output_dir
 
 
+DRAFTER_QUANTIZATIONS = ("none", "int8")
+
+
 def load_drafter(
-    name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None
+    name_or_path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+    quantization: str = "none",
 ) -> OspreyForDrafting:
     """The drafter in a checkpoint directory, a Hub repo or a packed directory, as the installed `OspreyForDrafting`
-    in `dtype` (on `device` if given), in eval mode. The one loader: every command and the Space use it."""
+    in `dtype` (on `device` if given), in eval mode. The one loader: every command and the Space use it.
+
+    `quantization="int8"` (CPU only) runs the drafter's linear layers as PyTorch's dynamic int8 ones (int8 weights,
+    activations quantized per call) and the rest in float32, whatever `dtype`: a drafting step on a CPU reads every
+    weight for a handful of tokens, so it costs about the weights' bytes, and int8 drafts ~3x faster than bfloat16
+    here (`benchmarks/drafting_cost.py`). The drafts change a little; the output does not (the target verifies)."""
+    if quantization not in DRAFTER_QUANTIZATIONS:
+        raise ValueError(
+            f"Unknown drafter quantization {quantization!r}: choose from {', '.join(DRAFTER_QUANTIZATIONS)}."
+        )
+    if quantization == "int8" and torch.device(device or "cpu").type != "cpu":
+        raise ValueError(
+            f"int8 drafters run on a CPU only (PyTorch's dynamic int8 linear layers), not on {device}: load it with "
+            "device='cpu', or without quantization (--drafter-quantization none)."
+        )
     directory = Path(name_or_path) if is_packed(name_or_path) else Path(resolve_model_path(name_or_path))
     if is_packed(directory):  # a local packed directory, or a Hub repo holding one
         config = OspreyConfig.from_pretrained(directory)
@@ -148,8 +169,17 @@ def load_drafter(
     else:
         _check_is_drafter(directory)
         drafter = OspreyForDrafting.from_pretrained(directory, dtype=dtype)
+    if quantization == "int8":
+        return _dynamic_int8(drafter.to(dtype=torch.float32).eval())
     drafter = drafter.to(dtype=dtype) if device is None else drafter.to(device=device, dtype=dtype)
     return drafter.eval()
+
+
+def _dynamic_int8(drafter: OspreyForDrafting) -> OspreyForDrafting:
+    """`drafter` with every `nn.Linear` replaced, in place, by a dynamic int8 one (fbgemm's packed int8 GEMMs)."""
+    with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao on every call
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(drafter, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
 def custom_generate_folder(drafter: OspreyForDrafting, name: str) -> str:

@@ -217,3 +217,44 @@ def test_shipped_qwen_drafter_unpacks_and_drafts_for_its_target_without_the_pack
     remote = decode_without_package(tmp_path / "unpacked", fetch(target_name), input_ids, 32, tmp_path)
     assert remote["target_name_or_path"] == target_name and remote["identical"]
     assert remote["new_tokens"] > 1.3 * remote["target_forwards"]
+
+
+def test_int8_drafter_drafts_as_well_and_decodes_exactly_like_the_target(saved):
+    """`load_drafter(..., quantization="int8")`: every linear layer becomes a dynamic int8 one, the drafter still
+    drafts what it did (the near-copy drafter's τ stays high) and the output stays the target's own, for chains,
+    trees and through `osprey bench`, which records the setting."""
+    from osprey.zoo import load_causal_lm, load_tokenizer
+
+    target_dir, drafter_dir = saved
+    target, tokenizer = load_causal_lm(target_dir).eval(), load_tokenizer(target_dir)
+    drafter, quantized = load_drafter(drafter_dir), load_drafter(drafter_dir, quantization="int8")
+    linear = torch.ao.nn.quantized.dynamic.Linear
+    assert not any(isinstance(module, torch.nn.Linear) for module in quantized.modules())
+    assert sum(isinstance(module, linear) for module in quantized.modules()) == sum(
+        isinstance(module, torch.nn.Linear) for module in drafter.modules()
+    )
+    input_ids = encode_prompt(tokenizer, PROMPT)
+    expected = target_generate(target, input_ids, 40)
+    for shape in ({}, {"draft_topk": 3, "tree_size": 6}):
+        reference, reference_stats = speculative_generate(target, drafter, input_ids, max_new_tokens=40, **shape)
+        output, stats = speculative_generate(target, quantized, input_ids, max_new_tokens=40, **shape)
+        assert torch.equal(reference, expected) and torch.equal(output, expected)
+        assert stats.tau > 2 and stats.tau >= 0.8 * reference_stats.tau
+
+    output = target_dir.parent / "bench-int8.json"
+    prompts = target_dir.parent / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT, "category": "toy"}) + "\n")
+    args = ["bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--max-new-tokens", "24"]
+    assert main([*args, "--prompts", str(prompts), "--output", str(output), "--drafter-quantization", "int8"]) == 0
+    results = json.loads(output.read_text())
+    assert results["settings"]["drafter_quantization"] == "int8"
+    rows = {row["method"]: row for row in results["requests"]}
+    assert rows["osprey"]["completion"] == rows["target"]["completion"]
+
+
+def test_bad_drafter_quantization_is_refused_with_the_fix(saved):
+    _, drafter_dir = saved
+    with pytest.raises(ValueError, match="choose from none, int8"):
+        load_drafter(drafter_dir, quantization="int4")
+    with pytest.raises(ValueError, match="CPU only.*device='cpu'"):
+        load_drafter(drafter_dir, device="cuda", quantization="int8")
