@@ -265,7 +265,7 @@ def add_decoding_arguments(parser) -> None:
         "--drafter-quantization",
         choices=DRAFTER_QUANTIZATIONS,
         default="none",
-        help="int8: the drafter's linear layers as dynamic int8 (CPU only; drafting ~3x cheaper here, the drafts "
+        help="int8: the drafter's linear layers as dynamic int8 (CPU only; drafting 2-2.4x cheaper here, the drafts "
         "change a little, the output does not). none: the drafter in --dtype",
     )
     parser.add_argument("--do-sample", action="store_true", help="sample (lossless) instead of greedy decoding")
