@@ -17,7 +17,7 @@ from .bench import BenchMethod, BenchSettings, run_benchmark
 from .bench_report import markdown_table, save_report
 from .bench_suites import BenchPrompt
 from .compact import PACK_MANIFEST, read_manifest
-from .pack import load_drafter
+from .pack import DRAFTER_QUANTIZATIONS, load_drafter
 from .zoo import ZOO, is_cached, load_causal_lm, load_tokenizer
 
 DEMO_DRAFTER_DIR = Path(__file__).parent / "demo_drafter"
@@ -40,16 +40,24 @@ DEMOS = {
     # A tree of depth 5, branching 3, 8 nodes, plus a prompt-lookup branch of up to 8 tokens: the best tokens/s of a
     # grid (chain / tree 3x4 / tree 3x8, each with and without the branch) on eight held-out ShareGPT prompts
     # (benchmarks/results/tree-defaults/qwen2.5-coder-1.5b-instruct.json: 2.00x the target alone, the chain 1.49x).
+    # The drafter's linear layers in int8: half the drafting time at the same τ (docs/results.md, session 13).
     "qwen2.5-coder-1.5b-instruct": DemoChoice(
         QWEN_DEMO_DRAFTER_DIR,
         "bfloat16",
-        dict(num_draft_tokens=5, draft_topk=3, tree_size=8, prompt_lookup_num_tokens=8),
+        dict(num_draft_tokens=5, draft_topk=3, tree_size=8, prompt_lookup_num_tokens=8, drafter_quantization="int8"),
     ),
     "smollm2-135m-instruct": DemoChoice(
         DEMO_DRAFTER_DIR, settings=dict(confidence_threshold=DEMO_CONFIDENCE_THRESHOLD)
     ),
 }
-SETTING_FLAGS = ("num_draft_tokens", "draft_topk", "tree_size", "prompt_lookup_num_tokens", "confidence_threshold")
+SETTING_FLAGS = (
+    "num_draft_tokens",
+    "draft_topk",
+    "tree_size",
+    "prompt_lookup_num_tokens",
+    "confidence_threshold",
+    "drafter_quantization",
+)
 
 # Written for this demo: short, one per category, several languages.
 DEMO_PROMPTS = [
@@ -97,15 +105,15 @@ def run_demo(
     else:
         choice = DemoChoice(Path(drafter_dir), settings=dict(confidence_threshold=DEMO_CONFIDENCE_THRESHOLD))
     dtype = dtype or getattr(torch, choice.dtype)
+    chosen = choice.settings | {name: value for name, value in overrides.items() if value is not None}
     _announce_fetches(choice.drafter_dir, target_name)
-    drafter = load_drafter(choice.drafter_dir, dtype)
+    drafter = load_drafter(choice.drafter_dir, dtype, quantization=chosen.get("drafter_quantization", "none"))
     target_name = target_name or drafter.config.target_name_or_path
     if not target_name:
         raise ValueError(f"{choice.drafter_dir} does not record the target it was converted for: pass --target.")
     _announce_fetches(None, target_name)
     target, tokenizer = load_causal_lm(target_name, dtype=dtype).eval(), load_tokenizer(target_name)
     drafter.config.check_target(target, name_or_path=target_name)
-    chosen = choice.settings | {name: value for name, value in overrides.items() if value is not None}
     drafts_trees = chosen.get("draft_topk", 1) > 1 or chosen.get("prompt_lookup_num_tokens", 0) > 0
     if drafts_trees and overrides.get("confidence_threshold") is None:
         chosen["confidence_threshold"] = 0.0  # early stop is for chains; a tree is pruned by its size
@@ -163,6 +171,11 @@ def add_subcommand(subparsers) -> None:
         type=float,
         help=f"end a draft chain after a draft below this probability (default: {DEMO_CONFIDENCE_THRESHOLD} for "
         "chains, 0 for trees)",
+    )
+    parser.add_argument(
+        "--drafter-quantization",
+        choices=DRAFTER_QUANTIZATIONS,
+        help="int8: the drafter's linear layers as dynamic int8, on a CPU (default: measured per drafter)",
     )
     parser.add_argument("--output", help="also save the results JSON (and .md, .png) here")
     parser.set_defaults(run=_run_demo)

@@ -131,3 +131,22 @@ def test_packaged_drafter_drafts_for_the_real_target(smollm2_cache, monkeypatch,
     assert all(outputs["osprey", p.prompt_id] == outputs["target", p.prompt_id] for p in DEMO_PROMPTS)
     overall = next(r for r in results["records"] if r["method"] == "osprey" and r["category"] == "overall")
     assert overall["tau"] > 1.05, overall  # measured: 1.18 at 96 new tokens
+
+
+def test_demo_loads_the_shipped_drafter_in_its_measured_quantization_unless_told(monkeypatch):
+    """The Qwen demo drafts with the int8 drafter it was measured with; `--drafter-quantization none` overrides it."""
+    import osprey.demo
+
+    seen = []
+
+    def loading(directory, dtype, quantization="none"):
+        seen.append(quantization)
+        raise RuntimeError("loaded")
+
+    monkeypatch.setattr(osprey.demo, "load_drafter", loading)
+    monkeypatch.setattr(osprey.demo, "_announce_fetches", lambda *args: None)
+    for override in (None, "none"):
+        with pytest.raises(RuntimeError, match="loaded"):
+            osprey.demo.run_demo(DEMO_TARGET, drafter_quantization=override)
+    assert seen == ["int8", "none"]
+    assert DEMOS[DEMO_TARGET].settings["drafter_quantization"] == "int8"
