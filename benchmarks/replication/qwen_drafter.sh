@@ -95,8 +95,8 @@ if [ "$MODE" = controls ]; then
   [ -d "$OUT/scratch-init" ] || $OSPREY baseline scratch --like "$OUT/osprey-init" --output "$OUT/scratch-init"
   [ -d "$OUT/eagle3-init" ] || $OSPREY baseline eagle3 --like "$OUT/osprey-init" --output "$OUT/eagle3-init"
   controls() {  # $1: round1|round2|round3, for both controls side by side, one thread each (see docs/training.md);
-    # round 3 one after the other: side by side on its 1,616 answers the two processes outgrew the machine's 23 GB
-    # (EAGLE-3's reached 14.5 GB, body-random's 10 GB) and the kernel killed one, twice
+    # round 3 one after the other: side by side on its 1,616 answers the two processes left no room on the machine's
+    # 23 GB (EAGLE-3's reached 14.5 GB, body-random's 10 GB) and the kernel killed one whenever anything else ran
     local pids=() control
     for control in scratch eagle3; do
       log "$1 of $control (log: $OUT/$control.log)"
