@@ -11,13 +11,12 @@ in decoding with τ ~2.
 """
 
 import argparse
-import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from microbench import report
 
 from modeling_osprey.generation_osprey import DraftState, draft_chain, draft_tree
 from osprey import OspreyConfig, OspreyForDrafting
@@ -66,11 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             drafter = load_drafter(directory, **kwargs)
             results[name] = {shape: ms_per_draft(drafter, shape, args.drafts) for shape in ("tree", "chain")}
             del drafter
-    results["load_average"] = round(os.getloadavg()[0], 2)  # other jobs on the machine while it ran
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
+    report(results, args.output)
     return 0
 
 

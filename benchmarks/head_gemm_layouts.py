@@ -10,12 +10,11 @@ from (docs/training.md, "Training throughput").
 """
 
 import argparse
-import json
-import os
 import time
 from pathlib import Path
 
 import torch
+from microbench import report
 
 
 def rate(function, flops: float, seconds: float = 1.0) -> float:
@@ -69,11 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{rows} rows": rate(in_chunks(target_hidden, target_head.T, rows), 2 * n * target_h * v)
         for rows in (256, 512, n)
     }
-    results["load_average"] = round(os.getloadavg()[0], 2)  # other jobs on the machine while it ran
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
+    report(results, args.output)
     return 0
 
 
