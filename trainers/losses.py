@@ -205,10 +205,11 @@ def _in_chunks(logits_of, targets, rows, row_function, chunk_size, grad, gemm_ch
     """Runs `row_function` over `chunk_size` rows at a time, each chunk's gradient written into its rows of `grad`;
     `logits_of(rows)` gives the logits of `gemm_chunk_size` rows at a time (default `chunk_size`). Returns the summed
     loss and the per-row results."""
+    gemm_chunk_size = gemm_chunk_size or chunk_size
     total = torch.zeros((), dtype=torch.float32, device=grad.device)
     per_row = []
-    for gemm_start in range(0, len(grad), gemm_chunk_size or chunk_size):
-        logits = logits_of(slice(gemm_start, gemm_start + (gemm_chunk_size or chunk_size)))
+    for gemm_start in range(0, len(grad), gemm_chunk_size):
+        logits = logits_of(slice(gemm_start, gemm_start + gemm_chunk_size))
         for offset in range(0, len(logits), chunk_size):
             end = min(offset + chunk_size, len(logits))
             chunk = slice(gemm_start + offset, gemm_start + end)
