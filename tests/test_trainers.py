@@ -35,6 +35,7 @@ from trainers import (
     ttt_loss,
 )
 from trainers.cli import add_subcommand
+from trainers.devices import HeapTrimCallback, _malloc_trim, resident_bytes
 from trainers.losses import compute_dtype
 
 CHATML = (
@@ -314,17 +315,25 @@ def test_fused_token_cross_entropy_equals_the_plain_one():
         torch.testing.assert_close(grad, expected_grad)
 
 
-def test_fused_losses_break_argmax_ties_like_torch():
-    """The accuracy's argmax is a max and a min over the columns reaching it: on bf16 logits full of ties it must
-    still pick each row's first maximum, as `torch.argmax` does."""
+@pytest.mark.parametrize("columns", [33, 40, 384])  # blocks of 1, 8 and 128 columns
+def test_fused_losses_break_argmax_ties_like_torch(columns):
+    """The accuracy's argmax is the first block of columns reaching the row's maximum, then the first column in it:
+    on bf16 logits full of ties, within and across blocks, it must still pick each row's first maximum, as
+    `torch.argmax` does, and the last column for a row with a NaN."""
     generator = torch.Generator().manual_seed(0)
-    logits = torch.randint(0, 4, (70, 33), generator=generator).bfloat16().requires_grad_()
-    labels = logits.detach().argmax(-1)
-    labels[::2] = (labels[::2] + 1) % 33  # half the rows predicted wrongly, some of them tied with the label
-    target_probs = torch.randn(70, 33, generator=generator).softmax(-1)
+    logits = torch.randint(0, 4, (70, columns), generator=generator).bfloat16()
+    logits[1, :] = 3  # every column tied
+    logits[2, -1] = 5  # the maximum in the last column
+    logits[3, 5] = float("nan")
+    logits.requires_grad_()
+    expected = logits.detach().argmax(-1)
+    expected[3] = columns - 1
+    labels = expected.clone()
+    labels[::2] = (labels[::2] + 1) % columns  # half the rows predicted wrongly, some of them tied with the label
+    target_probs = torch.randn(70, columns, generator=generator).softmax(-1)
     for compile in (False, True):
         _, argmax = soft_cross_entropy(logits, target_probs, compile=compile, chunk_size=16)
-        assert torch.equal(argmax, logits.detach().argmax(-1))
+        assert torch.equal(argmax, expected), compile
         _, correct = token_cross_entropy(logits, labels, compile=compile, chunk_size=16)
         assert correct == 35
 
@@ -414,6 +423,33 @@ def test_distillation_loss_decreases_and_accuracy_rises(tmp_path):
         assert accuracies[-1] > accuracies[0] + 0.3, (step, accuracies)
         assert step_losses[-1] < step_losses[0], (step, step_losses)
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.skipif(_malloc_trim() is None, reason="needs glibc's malloc_trim and Linux /proc")
+def test_cpu_trainers_give_the_freed_heap_back(tmp_path):
+    """Both trainers carry a `HeapTrimCallback` on a CPU; after a step that grew resident memory past its limit, it
+    gives the C heap's free holes back to the system, and not again until memory grows again."""
+    target = make_tiny_target("llama", vocab_size=128)
+    model = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2)
+    drafter, dataset, text = tiny_drafter(target), token_dataset(8, 24), text_dataset(8)
+    trainers = (
+        OspreyDistillTrainer(drafter, distill_config(tmp_path), train_dataset=dataset, target_model=target),
+        OspreyPretrainer(model, pretrain_config(tmp_path), train_dataset=text, processing_class=char_tokenizer()),
+    )
+    for trainer in trainers:
+        assert [type(callback) for callback in trainer.callback_handler.callbacks].count(HeapTrimCallback) == 1
+    callback = HeapTrimCallback(growth=1.1)
+    callback.on_step_end(None, None, None)  # the first step sets the limit
+    blocks = [torch.ones(16384) for _ in range(16384)]  # 1 GiB in 64 KiB blocks, taken from the C heap
+    del blocks[::2]  # every other block freed: holes between live ones, which glibc keeps
+    grown = resident_bytes()
+    callback.on_step_end(None, None, None)
+    assert callback.trims == 1
+    assert resident_bytes() < grown - 256 * 2**20
+    callback.on_step_end(None, None, None)
+    assert callback.trims == 1
+    with pytest.raises(ValueError, match="above 1"):
+        HeapTrimCallback(growth=1)
 
 
 def record_logit_dtypes(monkeypatch, module, name: str, dtype_of=lambda logits: logits.dtype) -> list[torch.dtype]:

@@ -13,7 +13,9 @@ It also profiles a distillation step, the start of any work on its speed (one th
 
 prints the ops by self CPU time (stderr; with `shapes`, each op per input shapes), then the step's milliseconds per
 token in matmuls, the compiled loss kernels, the chain attention and the rest (stdout, JSON). The profiler adds a few
-percent to small ops.
+percent to small ops. The loss kernels alone, per chunk of rows (default 256 x 32,000):
+
+    OMP_NUM_THREADS=1 python trainers/throughput_worker.py loss-kernels [ROWS] [VOCAB]
 """
 
 import json
@@ -280,6 +282,61 @@ def matmul_worker(shapes: list[list[int]]) -> dict:
     return rates
 
 
+def loss_kernels_worker(rows: int = 256, vocab: int = 32000) -> dict:
+    """Milliseconds per call of the soft cross-entropy's two compiled passes over one chunk of `rows` x `vocab`
+    bf16 logits (`trainers.losses`); the first pass also as it was before the block maxima (its argmax a min over all
+    the columns reaching the maximum, its target terms summed over the whole chunk) and without an argmax (the floor).
+    Minimum of 15 calls."""
+    import torch
+
+    from trainers import losses
+
+    def all_columns_first_pass(logits, target_probs, rows):  # the first pass as it was before the block maxima
+        scores = logits.float()
+        probs = target_probs if rows is None else target_probs[rows]
+        maximum = scores.amax(dim=-1, keepdim=True)
+        exps = (scores - maximum).exp()
+        sums = exps.sum(dim=-1, keepdim=True)
+        loss = ((maximum + sums.log()).squeeze(-1) * probs.sum(dim=-1)).sum() - (probs * scores).sum()
+        columns = torch.arange(scores.shape[-1])
+        first = torch.where(scores == maximum, columns, scores.shape[-1]).amin(dim=-1)
+        return loss, first.clamp(max=scores.shape[-1] - 1), exps, sums
+
+    def without_argmax(logits, target_probs, rows):
+        return losses._soft_exps(logits, target_probs, rows)[::2]
+
+    def milliseconds(function, *args) -> float:
+        function(*args)
+        times = []
+        for _ in range(15):
+            start = time.perf_counter()
+            function(*args)
+            times.append(time.perf_counter() - start)
+        return round(min(times) * 1000, 2)
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, vocab, generator=generator).bfloat16()
+    # the TTT loss reads a micro-batch's target rows (2 x 1,024 in the Qwen-shape step) shifted by its step
+    target_probs = torch.randn(8 * rows, vocab, generator=generator).softmax(dim=-1)
+    index = torch.arange(rows) + 3 * rows + 1
+    compiled = {
+        name: torch.compile(function, dynamic=True)
+        for name, function in (
+            ("first pass", losses._soft_exps),
+            ("first pass, argmax over all columns", all_columns_first_pass),
+            ("first pass, no argmax", without_argmax),
+        )
+    }
+    results = {name: milliseconds(function, logits, target_probs, index) for name, function in compiled.items()}
+    _, argmax, exps, sums = compiled["first pass"](logits, target_probs, index)
+    if not torch.equal(argmax, logits.argmax(dim=-1)):
+        raise AssertionError("the first pass's argmax differs from torch.argmax")
+    out = torch.empty_like(logits)
+    second = torch.compile(losses._soft_gradient, dynamic=True)
+    results["second pass"] = milliseconds(second, exps, sums, target_probs, index, logits.dtype, out)
+    return {"rows": rows, "vocab": vocab, "threads": torch.get_num_threads(), "ms_per_call": results}
+
+
 PROFILE_PARTS = {  # part of a profiled step: substrings of the op names it sums
     "matmul": ("aten::mm", "aten::bmm", "aten::addmm"),
     "loss kernels (compiled)": ("CompiledFxGraph",),
@@ -336,6 +393,7 @@ def main(argv: list[str]) -> int:
         "pretrain": lambda: pretrain_worker(int(rest[0])),
         "features": lambda: features_worker(int(rest[0])),
         "matmul": lambda: matmul_worker(json.loads(rest[0])),
+        "loss-kernels": lambda: loss_kernels_worker(*map(int, rest[:2])),
         "profile": lambda: profile_worker(rest[0], *map(int, rest[1:2]), shapes="shapes" in rest[2:]),
         "configs": lambda: {"distill": DISTILL_CONFIGS, "pretrain": PRETRAIN_CONFIG, "pretrain_model": SMOLLM2_2L},
     }
