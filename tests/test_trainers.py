@@ -3,6 +3,9 @@
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
 from functools import partial
 from itertools import pairwise
 
@@ -35,7 +38,7 @@ from trainers import (
     ttt_loss,
 )
 from trainers.cli import add_subcommand
-from trainers.devices import HeapTrimCallback, _malloc_trim, resident_bytes
+from trainers.devices import MALLOC_ENVIRONMENT, HeapTrimCallback, _glibc, resident_bytes
 from trainers.losses import compute_dtype
 
 CHATML = (
@@ -425,7 +428,7 @@ def test_distillation_loss_decreases_and_accuracy_rises(tmp_path):
     assert losses[-1] < 0.8 * losses[0], losses
 
 
-@pytest.mark.skipif(_malloc_trim() is None, reason="needs glibc's malloc_trim and Linux /proc")
+@pytest.mark.skipif(_glibc() is None, reason="needs glibc's malloc_trim and Linux /proc")
 def test_cpu_trainers_give_the_freed_heap_back(tmp_path):
     """Both trainers carry a `HeapTrimCallback` on a CPU; after a step that grew resident memory past its limit, it
     gives the C heap's free holes back to the system, and not again until memory grows again."""
@@ -450,6 +453,43 @@ def test_cpu_trainers_give_the_freed_heap_back(tmp_path):
     assert callback.trims == 1
     with pytest.raises(ValueError, match="above 1"):
         HeapTrimCallback(growth=1)
+
+
+PAGE_FAULTS_OF_EIGHT_STEPS = """
+import resource, sys, torch
+from trainers.devices import keep_freed_heap
+if sys.argv[1] == "keep":
+    assert keep_freed_heap()
+weight = torch.ones(2**24)  # 64 MiB
+def step():  # two 64 MiB tensors made and freed
+    return (weight * 2 + weight).sum()
+step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(8):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(_glibc() is None, reason="needs glibc's mallopt and Linux /proc")
+def test_the_kept_heap_reuses_freed_tensors_without_page_faults():
+    """With `keep_freed_heap` large tensors freed and made again mostly reuse the heap's pages; with glibc's default
+    (the control) each one is mapped afresh and all its pages are faulted in: 8 x 2 x 16,384."""
+    environment = {name: value for name, value in os.environ.items() if name not in MALLOC_ENVIRONMENT}
+    faults = {
+        mode: int(
+            subprocess.run(
+                [sys.executable, "-c", PAGE_FAULTS_OF_EIGHT_STEPS, mode],
+                capture_output=True,
+                text=True,
+                check=True,
+                env=environment,
+            ).stdout
+        )
+        for mode in ("keep", "default")
+    }
+    assert faults["default"] >= 8 * 2 * 16384, faults
+    assert faults["keep"] < faults["default"] / 2, faults
 
 
 def record_logit_dtypes(monkeypatch, module, name: str, dtype_of=lambda logits: logits.dtype) -> list[torch.dtype]:

@@ -22,7 +22,7 @@ from osprey.pack import load_drafter
 from osprey.zoo import load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
-from .devices import add_heap_trim, load_target, loss_autocast, set_device_defaults, unwrap
+from .devices import load_target, loss_autocast, set_cpu_memory_policy, set_device_defaults, unwrap
 from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset, TargetHead, greedy_tokens
 from .losses import head_for_loss, linear_soft_cross_entropy, target_distribution
 from .pretrain import resume_argument
@@ -288,7 +288,7 @@ class OspreyDistillTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        add_heap_trim(self)
+        set_cpu_memory_policy(self)
         self.target_model = None
         if target_model is not None:
             model.config.check_target(target_model)

@@ -18,7 +18,7 @@ from trl import SFTConfig, SFTTrainer, TrlParser
 from osprey.zoo import load_causal_lm, load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
-from .devices import add_heap_trim, loss_autocast, set_device_defaults
+from .devices import loss_autocast, set_cpu_memory_policy, set_device_defaults
 from .losses import token_cross_entropy
 
 
@@ -95,7 +95,7 @@ class OspreyPretrainer(SFTTrainer):
                     raise ValueError("This model ties its LM head to its embedding: freeze both or neither.")
                 model.get_output_embeddings().requires_grad_(False)
         super().__init__(model, args=args, **kwargs)
-        add_heap_trim(self)
+        set_cpu_memory_policy(self)
         parent_model = parent_model if parent_model is not None else self.args.parent_model
         if isinstance(parent_model, str):
             parent_model = load_causal_lm(parent_model, dtype=torch.bfloat16 if self.args.bf16 else torch.float32)
