@@ -109,14 +109,16 @@ def release_free_heap() -> bool:
 
 
 class HeapTrimCallback(TrainerCallback):
-    """After an optimizer step where this process's resident memory has grown `growth` times since the last trim,
-    gives the C heap's free pages back to the system.
+    """After an optimizer step that ends with this process's resident memory `growth` times what it was at the end of
+    the first step after the last trim (or of training's first step), gives the C heap's free pages back to the system.
 
     On a CPU, PyTorch takes tensor memory from the C allocator. With batches of varying lengths glibc's heap fills
     with free holes between live blocks, which it keeps: a distillation on the Qwen replication's feature cache
     grew to 12.5 GB resident while `malloc_trim(0)` brought it back to 4.2 GB (docs/training.md, "Memory on a CPU").
     Two such runs side by side on a 24 GB machine met the kernel's OOM killer. A trim costs the pages' faults on
-    their next use, so it runs only after that much growth.
+    their next use, so it runs only after that much growth, measured from a step's end, when the heap holds a whole
+    step's working memory: measured from right after a trim, the next step alone grew past the limit and the
+    controls' distillations trimmed (and faulted their memory in again) every step or two.
     """
 
     def __init__(self, growth: float = 1.5):
@@ -132,7 +134,7 @@ class HeapTrimCallback(TrainerCallback):
             self.limit = self.growth * resident
         elif resident > self.limit and release_free_heap():
             self.trims += 1
-            self.limit = self.growth * resident_bytes()
+            self.limit = None  # set again after the next step, with that step's working memory back in the heap
 
 
 def set_cpu_memory_policy(trainer: Trainer) -> None:

@@ -5,12 +5,13 @@ TTT accuracy, and its final τ on the equal-budget benches' 25 prompts.
     python benchmarks/replication/qwen_curves.py /work/runs/qwen-drafter \
         --output benchmarks/results/learning-curves-qwen-controls
 
-The controls are the runs of `qwen_drafter.sh controls` (`RUN_DIR/{scratch,eagle3}-{round1-epoch1,round1,round2}`):
-Osprey's rounds 1 and 2 (same configs, data, order and seeds) from `osprey baseline {scratch,eagle3} --like
-osprey-init`. Osprey's points are the committed record of its own runs (`learning-curve-qwen-drafter.json`, rounds 1
-and 2). A point is one evaluation of a run on the 48 held-out conversations; token-passes count the training tokens
-seen, epochs x the round's tokens, summed over the runs before it. The τ curves are the greedy benches that
-`qwen_drafter.sh controls` runs after round 1's first 60 steps and after each round
+The controls are the runs of `qwen_drafter.sh controls`
+(`RUN_DIR/{scratch,eagle3}-{round1-epoch1,round1,round2,round3}`): Osprey's rounds 1 to 3 (same configs, data, order
+and seeds) from `osprey baseline {scratch,eagle3} --like osprey-init`. Osprey's points are the committed record of its
+own runs (`learning-curve-qwen-drafter.json`, rounds 1 to 3). A point is one evaluation of a run on the 48 held-out
+conversations; token-passes count the training tokens seen, epochs x the round's tokens, summed over the runs before
+it. The τ curves are the greedy benches that `qwen_drafter.sh controls` runs after round 1's first 60 steps and after
+each round
 (`benchmarks/results/equal-budget-qwen2.5-coder-1.5b-instruct-RUN.json`, whichever exist), τ the mean over a bench's
 requests.
 """
@@ -29,8 +30,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 OSPREY_RECORD = RESULTS / "learning-curve-qwen-drafter.json"
-# (run suffix, training tokens of its feature cache): rounds 1 (two runs on 240 conversations) and 2 (816)
-RUNS = (("round1-epoch1", 72_749), ("round1", 72_749), ("round2", 209_006))
+# (run suffix, training tokens of its feature cache): rounds 1 (two runs on 240 conversations), 2 (816) and 3 (1,616)
+RUNS = (("round1-epoch1", 72_749), ("round1", 72_749), ("round2", 209_006), ("round3", 411_703))
 CONTROLS = ("scratch", "eagle3")
 TTT_STEPS = 5
 TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -47,7 +48,7 @@ def last_logged_evaluation(log_path: Path) -> dict | None:
 
 
 def control_curve(run_dir: Path, control: str) -> list[dict]:
-    """The evaluation points of a control's three runs, in order. A run still going (or stopped) is read from its
+    """The evaluation points of a control's runs, in order. A run still going (or stopped) is read from its
     newest checkpoint, plus the last evaluation in `RUN_DIR/CONTROL.log` when that came after the checkpoint: a run
     stopped right after an evaluation keeps it."""
     points, steps_before, passes_before = [], 0, 0
