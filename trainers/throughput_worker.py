@@ -81,24 +81,32 @@ def tokens_per_step(spec: dict) -> int:
 
 class _StepTimer:
     def __init__(self):
+        import resource
+
         import transformers
+
+        def now():
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            return time.perf_counter(), time.process_time(), usage.ru_stime, usage.ru_minflt
 
         class Callback(transformers.TrainerCallback):
             def on_step_begin(cb, args, state, control, **kwargs):
-                self.begin = (time.perf_counter(), time.process_time())
+                self.begin = now()
 
             def on_step_end(cb, args, state, control, **kwargs):
-                self.steps.append((time.perf_counter() - self.begin[0], time.process_time() - self.begin[1]))
+                self.steps.append(tuple(end - begin for end, begin in zip(now(), self.begin, strict=True)))
 
-        self.steps: list[tuple[float, float]] = []
+        self.steps: list[tuple[float, float, float, int]] = []  # wall, CPU and system seconds, minor page faults
         self.callback = Callback()
 
     def result(self, tokens: int) -> dict:
         timed = self.steps[1:]  # the first step warms up (allocations, torch.compile)
-        wall, cpu = sum(step[0] for step in timed), sum(step[1] for step in timed)
+        wall, cpu, system, faults = (sum(step[part] for step in timed) for part in range(4))
         return {
             "tokens_per_s": tokens * len(timed) / wall,
             "cpu_s_per_1k_tokens": 1000 * cpu / (tokens * len(timed)),
+            "system_s_per_step": round(system / len(timed), 2),
+            "page_faults_per_step": round(faults / len(timed)),
             "step_wall_s": [round(step[0], 2) for step in self.steps],
         }
 
