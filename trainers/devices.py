@@ -1,7 +1,7 @@
 """Where and in which precision the trainers run, one rule for all of them: bf16 mixed precision exactly where CUDA
 supports it (CPU runs in float32), host memory pinned only when there is a device to copy to, the frozen target
-loaded in bfloat16 or float32 to match, one autocast per loss (`loss_autocast`), and on a CPU the freed heap given
-back to the system (`HeapTrimCallback`)."""
+loaded in bfloat16 or float32 to match, one autocast per loss (`loss_autocast`), and on a CPU with glibc freed memory
+kept in the C heap for reuse and given back after growth (`set_cpu_memory_policy`)."""
 
 import contextlib
 import ctypes
