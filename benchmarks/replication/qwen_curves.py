@@ -187,11 +187,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, required=True, help="path without suffix: writes .json and .png")
     args = parser.parse_args()
     osprey_points = json.loads(OSPREY_RECORD.read_text())["points"]
-    osprey = [
-        with_mean({key: value for key, value in point.items() if key != "round"})
-        for point in osprey_points
-        if point["round"] <= 2
-    ]
+    osprey = [with_mean({key: value for key, value in point.items() if key != "round"}) for point in osprey_points]
     taus = tau_curves({point["total_steps"]: point["token_passes"] for point in osprey_points})
     controls = {control: [with_mean(point) for point in control_curve(args.run_dir, control)] for control in CONTROLS}
     if not any(controls.values()):
