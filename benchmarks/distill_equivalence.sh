@@ -5,10 +5,13 @@
 # then the held-out TTT losses side by side. Seeds 0 and 1 of the current code give the seed-to-seed noise.
 #
 #   benchmarks/distill_equivalence.sh        (RUNS=/work/runs/distill-equivalence BASELINE=175b08b)
+#
+# CURRENT_FLAGS are added to the current code's two runs (e.g. "--torch_compile true", as the shipped configs set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-/work/runs/distill-equivalence}
 BASELINE=${BASELINE:-175b08b}
+read -r -a CURRENT_FLAGS <<< "${CURRENT_FLAGS:-}"
 PY=${PY:-$(git rev-parse --git-common-dir)/../.venv/bin/python}
 mkdir -p "$RUNS"
 [ -d "$RUNS/baseline-src" ] || git worktree add --detach "$RUNS/baseline-src" "$BASELINE"
@@ -24,17 +27,17 @@ config = OspreyConfig(vocab_size=49152, draft_vocab_size=8192, target_hidden_siz
 OspreyForDrafting(config).save_pretrained(sys.argv[1])
 load_tokenizer('smollm2-135m-instruct').save_pretrained(sys.argv[1])
 " "$RUNS/init"
-run() {  # run NAME SOURCE SEED
+run() {  # run NAME SOURCE SEED [FLAGS...]
   [ -f "$RUNS/$1/trainer_state.json" ] && return
   PYTHONPATH=$2 $PY -m trainers.distill --drafter "$RUNS/init" --feature_cache "$RUNS/features" \
     --output_dir "$RUNS/$1" --max_steps 50 --per_device_train_batch_size 2 --gradient_accumulation_steps 1 \
     --learning_rate 3e-4 --lr_scheduler_type cosine --warmup_steps 5 --max_grad_norm 0.5 --eval_strategy steps \
     --eval_steps 50 --per_device_eval_batch_size 4 --save_strategy no --report_to none --seed "$3" --bf16 true \
-    --use_cpu true --logging_steps 10 --disable_tqdm true > "$RUNS/$1.log" 2>&1
+    --use_cpu true --logging_steps 10 --disable_tqdm true "${@:4}" > "$RUNS/$1.log" 2>&1
 }
 run baseline "$RUNS/baseline-src" 0
-run current "$PWD" 0
-run current-seed1 "$PWD" 1
+run current "$PWD" 0 "${CURRENT_FLAGS[@]}"
+run current-seed1 "$PWD" 1 "${CURRENT_FLAGS[@]}"
 git worktree remove --force "$RUNS/baseline-src"
 $PY - "$RUNS" <<'PY'
 import json, sys

@@ -7,7 +7,7 @@ measurement in a fresh subprocess, with `PYTHONPATH` pointing at the worktree (b
 (current); baseline and current runs alternate, so that both see the same load on a shared machine. Each run is a real
 `Trainer.train()` of `--steps` optimizer steps after one warm-up step (untimed: it includes `torch.compile`), on random
 tokens and random target features of the shapes below, with each version's own trainer and the settings its
-replication config uses:
+replication config uses (the current trainers with `torch_compile`, dynamic shapes, as the shipped configs set it):
 
 - distill-qwen2.5-coder-1.5b: the Qwen replication's drafter (2 blocks at hidden 576, 32k draft vocabulary, a 151,936
   token target vocabulary, 3 taps of a 1536-wide target), 2 x 1,024 tokens per micro-batch, 2 micro-batches per
@@ -87,6 +87,9 @@ def matmul_limit(gemms, rates: dict) -> float:
 THREADS = "1"  # per process: on a shared 2-core machine two threads wait on each other at every op (measured 2x CPU)
 
 
+# The current trainers run with `torch_compile` (dynamic shapes), as trainers/configs and benchmarks/replication set
+# it; the baseline commit's as they ran then.
+CURRENT_SETTINGS = ("compile",)
 WORKER = REPO / "trainers" / "throughput_worker.py"  # run by path: it imports whichever trainers PYTHONPATH names
 
 
@@ -159,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
                 for round_index in range(args.rounds):
                     order = ("baseline", "current") if round_index % 2 == 0 else ("current", "baseline")
                     for version in order:
-                        result = run_worker(baseline if version == "baseline" else REPO, *worker_args)
+                        if version == "baseline":
+                            result = run_worker(baseline, *worker_args)
+                        else:  # the current trainers as the shipped configs run them
+                            result = run_worker(REPO, *worker_args, *CURRENT_SETTINGS)
                         result["load_average"] = os.getloadavg()[0]
                         runs[version].append(result)
                         print(name, version, json.dumps(result), flush=True)
@@ -212,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared with other jobs",
         "threads_per_process": args.threads,
+        "current_settings": "torch_compile with dynamic shapes (the shipped configs); the baseline as it ran",
         "records": records,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -140,6 +140,9 @@ class OspreyTTTCache:
         )
 
 
+# Kept out of `torch.compile` graphs: traced under bf16 autocast (training with `torch_compile`), it computed wrong
+# values on a real drafter (TTT step 1's loss 4.27 against 1.27 eager; `trainers/throughput_worker.py compiled-ttt`).
+@torch.compiler.disable
 def chain_attention(query, prefix_key, prefix_value, chain_keys, chain_values) -> torch.Tensor:
     """One softmax per query `t` over the prefix keys `<= t` (causal) and its own `chain_keys[..., t, :, :]`.
 

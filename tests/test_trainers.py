@@ -18,6 +18,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.cache_utils import DynamicCache
 
+import trainers.distill
 from modeling_osprey.target_features import extract_target_features
 from osprey import OspreyConfig, OspreyForDrafting
 from trainers import (
@@ -38,7 +39,15 @@ from trainers import (
     ttt_loss,
 )
 from trainers.cli import add_subcommand
-from trainers.devices import MALLOC_ENVIRONMENT, HeapTrimCallback, _glibc, release_free_heap, resident_bytes
+from trainers.devices import (
+    MALLOC_ENVIRONMENT,
+    HeapTrimCallback,
+    _glibc,
+    release_free_heap,
+    resident_bytes,
+    states_in_parameter_layout,
+    unwrap,
+)
 from trainers.losses import compute_dtype
 
 CHATML = (
@@ -812,6 +821,95 @@ def test_distillation_resumes_exactly(tmp_path):
     expected, resumed = interrupted_and_resumed(tmp_path, make_trainer, total_steps=6, interrupt_at=2)
     for name, tensor in expected.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_compiled_distillation_trains_like_eager(tmp_path):
+    """`--torch_compile true` (the shipped distillation configs) traces the drafter with dynamic shapes: batches of
+    three lengths train through it to the weights eager training reaches (compiled kernels fuse and round
+    differently: tolerance 1e-4)."""
+    target = make_tiny_target("llama")
+    lengths = [10, 10, 14, 14, 18, 18]
+    generator = torch.Generator().manual_seed(0)
+    dataset = Dataset.from_dict(
+        {
+            "input_ids": [torch.randint(3, 256, (n,), generator=generator).tolist() for n in lengths],
+            "loss_mask": [[0] * 3 + [1] * (n - 3) for n in lengths],
+        }
+    )
+    weights = {}
+    for compiled in (False, True):
+        config = distill_config(
+            tmp_path,
+            per_device_train_batch_size=2,
+            max_steps=3,
+            torch_compile=compiled,
+            dataloader_drop_last=True,
+        )
+        trainer = OspreyDistillTrainer(tiny_drafter(target), config, train_dataset=dataset, target_model=target)
+        trainer.train()
+        assert trainer.accelerator.state.dynamo_plugin.dynamic is True
+        weights[compiled] = {name: tensor.clone() for name, tensor in unwrap(trainer.model).state_dict().items()}
+    assert weights[True].keys() == weights[False].keys()
+    for name, tensor in weights[False].items():
+        torch.testing.assert_close(weights[True][name], tensor, rtol=1e-4, atol=1e-4, msg=name)
+    changed = [
+        name
+        for name, tensor in weights[False].items()
+        if not torch.equal(tensor, tiny_drafter(target).state_dict()[name])
+    ]
+    assert changed  # training moved the weights, so the comparison above compares training
+
+
+def test_distillation_trains_the_column_major_head_exactly_like_a_row_major_one(tmp_path, monkeypatch):
+    """The trainer stores the drafter's head column-major (`store_column_major`: no transposed copies in the TTT
+    loss); the same values come out of training as with the head left row-major, and it saves and loads as usual."""
+    target = make_tiny_target("llama")
+    weights = {}
+    for column_major in (True, False):
+        if not column_major:
+            monkeypatch.setattr(trainers.distill, "store_column_major", lambda weight: None)
+        config = distill_config(tmp_path, max_steps=3)
+        trainer = OspreyDistillTrainer(
+            tiny_drafter(target), config, train_dataset=token_dataset(12, 12), target_model=target
+        )
+        assert trainer.model.lm_head.weight.T.is_contiguous() == column_major
+        trainer.train()
+        weights[column_major] = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
+        if column_major:
+            trainer.model.save_pretrained(tmp_path / "saved")
+            loaded = OspreyForDrafting.from_pretrained(tmp_path / "saved")
+            torch.testing.assert_close(loaded.lm_head.weight, trainer.model.lm_head.weight, rtol=0, atol=0)
+    for name, tensor in weights[False].items():
+        torch.testing.assert_close(weights[True][name], tensor, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_optimizer_states_take_their_parameters_layout_on_load(fused):
+    """A state saved row-major (an older checkpoint) loaded beside a column-major parameter: with
+    `states_in_parameter_layout` hooked in, AdamW steps as with both row-major; without it (the control) a fused AdamW
+    updates the wrong elements."""
+
+    def two_steps(column_major: bool, state_layout_hook: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        weight, grads = torch.randn(64, 8), [torch.randn(64, 8) for _ in range(2)]
+        param = torch.nn.Parameter(weight.T.contiguous().T if column_major else weight)
+        reference = torch.nn.Parameter(weight.clone())
+        saved = torch.optim.AdamW([reference], lr=0.1, fused=fused)
+        reference.grad = grads[0]
+        saved.step()  # a row-major optimizer state, as an older checkpoint holds
+        optimizer = torch.optim.AdamW([param], lr=0.1, fused=fused)
+        if state_layout_hook:
+            optimizer.register_load_state_dict_post_hook(states_in_parameter_layout)
+        param.data.copy_(reference.detach())
+        optimizer.load_state_dict(saved.state_dict())
+        param.grad = grads[1].T.contiguous().T if column_major else grads[1].clone()
+        optimizer.step()
+        return param.detach()
+
+    expected = two_steps(column_major=False, state_layout_hook=False)
+    torch.testing.assert_close(two_steps(column_major=True, state_layout_hook=True), expected, rtol=0, atol=0)
+    if fused:
+        assert not torch.allclose(two_steps(column_major=True, state_layout_hook=False), expected)
 
 
 def osprey_parser() -> argparse.ArgumentParser:

@@ -62,6 +62,33 @@ def loss_autocast(trainer: Trainer, model) -> contextlib.AbstractContextManager:
     return trainer.accelerator.autocast()
 
 
+def compile_with_dynamic_shapes(accelerator_args: dict) -> dict:
+    """The accelerator arguments of a trainer with `torch_compile` (`--torch_compile true`) traced with dynamic
+    shapes, unless the backend needs static ones (transformers leaves it to accelerate's default otherwise).
+
+    Batches of a distillation or stage 2 vary in length: compiled for static shapes, the model is compiled for the
+    first batch's length and compiled again, with dynamic shapes, on the second. Traced dynamic from the start it is
+    compiled once per variant of the call (each TTT step's, training and evaluation), and on the Qwen-shape
+    distillation step it ran faster than the static trace (docs/training.md, "Training throughput")."""
+    plugin = accelerator_args.get("dynamo_plugin")
+    if plugin is not None and plugin.dynamic is None:
+        plugin.dynamic = True
+    return accelerator_args
+
+
+def states_in_parameter_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Gives every optimizer state shaped like its parameter the parameter's strides; registered to run after each
+    `load_state_dict`. A fused AdamW steps over the parameter, its gradient and its states as flat memory: a state
+    saved row-major (an older checkpoint) stepped beside a column-major parameter (`store_column_major`) would update
+    the wrong elements, silently."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
+                    state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+
+
 @functools.cache
 def _glibc():
     """The C library when it is glibc on Linux (with `mallopt` and `malloc_trim`), else None."""

@@ -22,9 +22,17 @@ from osprey.pack import load_drafter
 from osprey.zoo import load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
-from .devices import load_target, loss_autocast, set_cpu_memory_policy, set_device_defaults, unwrap
+from .devices import (
+    compile_with_dynamic_shapes,
+    load_target,
+    loss_autocast,
+    set_cpu_memory_policy,
+    set_device_defaults,
+    states_in_parameter_layout,
+    unwrap,
+)
 from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset, TargetHead, greedy_tokens
-from .losses import head_for_loss, linear_soft_cross_entropy, target_distribution
+from .losses import head_for_loss, linear_soft_cross_entropy, store_column_major, target_distribution
 from .pretrain import resume_argument
 from .tokenization import tokenize_dataset
 
@@ -277,6 +285,8 @@ class OspreyDistillTrainer(Trainer):
             self.feature_cache.check_drafter(model.config)
         if args.freeze_embeddings:
             model.get_input_embeddings().requires_grad_(False)
+        if model.lm_head.weight is not model.get_input_embeddings().weight:
+            store_column_major(model.lm_head.weight)  # the layout the TTT loss's head GEMMs read fastest
         pad_token_id = getattr(processing_class, "pad_token_id", None) or 0
         super().__init__(
             model=model,
@@ -300,6 +310,14 @@ class OspreyDistillTrainer(Trainer):
             bias = None if head.bias is None else head.bias[rows]
             self.target_head = TargetHead(head.weight[rows], bias, head.final_logit_softcapping).to(self.args.device)
         self._metrics = {mode: {"sums": torch.zeros(3, args.ttt_steps), "batches": 0} for mode in ("train", "eval")}
+
+    def create_optimizer(self, *args, **kwargs):
+        optimizer = super().create_optimizer(*args, **kwargs)
+        optimizer.register_load_state_dict_post_hook(states_in_parameter_layout)
+        return optimizer
+
+    def _build_accelerator_args(self, **kwargs):
+        return compile_with_dynamic_shapes(super()._build_accelerator_args(**kwargs))
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:

@@ -67,9 +67,18 @@ def head_for_loss(weight: torch.Tensor) -> torch.Tensor:
     and column-major (one strided copy, made once for every call that shares the weight). On this project's CPU
     (oneDNN bf16) the forward's `chunk @ weight.T` runs faster on it than on the row-major weight, and the weight
     gradient comes out in its layout (`benchmarks/head_gemm_layouts.py`). A differentiable view: its gradient reaches
-    `weight`."""
+    `weight`. A weight already column-major (`store_column_major`) is only cast."""
     # `.to` returns the transposed view itself when the dtype is already right; then `.contiguous()` copies
     return weight.T.to(compute_dtype(weight), memory_format=torch.contiguous_format).contiguous().T
+
+
+def store_column_major(weight: torch.nn.Parameter) -> None:
+    """Stores an LM head's `(V, H)` weight column-major in place (same values, `weight.T` contiguous), so that
+    `head_for_loss` casts it without a transposed copy and its gradient arrives in that layout: on the Qwen-shape
+    distillation step the transposed copies there and back took ~78 ms each, four per step (docs/training.md,
+    "Training throughput"). Optimizer states follow the parameter's layout (`states_in_parameter_layout`)."""
+    if weight.is_contiguous() and weight.dim() == 2:
+        weight.data = weight.data.T.contiguous().T
 
 
 def compute_dtype(hidden_states: torch.Tensor) -> torch.dtype:
@@ -110,8 +119,9 @@ def _gathered_softmax(logits, index):
     return (logits if index is None else logits[index]).float().softmax(dim=-1)
 
 
-def _soft_exps(logits, target_probs, rows):
-    """The soft cross-entropy's first pass over rows of logits: loss, argmax, `exp(scores - max)` and its row sums."""
+def _soft_exps(logits, target_probs, rows, exps_out=None):
+    """The soft cross-entropy's first pass over rows of logits: loss, argmax, `exp(scores - max)` (written into
+    `exps_out` when given) and its row sums."""
     scores = logits.float()
     probs = target_probs if rows is None else target_probs[rows]
     maximum, block_maxima = _row_maxima(scores)
@@ -120,6 +130,8 @@ def _soft_exps(logits, target_probs, rows):
     exps = (scores - maximum).exp()
     sums = exps.sum(dim=-1, keepdim=True)
     loss = ((maximum + sums.log()).squeeze(-1) * target_mass - target_score).sum()
+    if exps_out is not None:
+        exps = exps_out.copy_(exps)
     return loss, _argmax(scores, maximum, block_maxima), exps, sums
 
 
@@ -134,15 +146,28 @@ class _TwoPasses:
     exponential for the gradient (the loss is exp-bound on a CPU core; the Qwen-shape distillation step measured 1.08x
     faster with two: docs/training.md, "Training throughput")."""
 
-    def __init__(self, first, second):
+    def __init__(self, first, second, reuse_exps: bool = False):
         self.first, self.second = first, second
+        self.reuse_exps, self.scratch = reuse_exps, None
 
     def __call__(self, logits, target_probs, rows, out=None):
-        loss, argmax, exps, sums = self.first(logits, target_probs, rows)
+        if out is None or not self.reuse_exps:
+            loss, argmax, exps, sums = self.first(logits, target_probs, rows)
+        else:  # compiled, in chunks: every chunk's exponentials written into one float32 buffer (eager, a copy)
+            loss, argmax, exps, sums = self.first(logits, target_probs, rows, self._scratch(logits))
         return loss, argmax, self.second(exps, sums, target_probs, rows, logits.dtype, out)
 
+    def _scratch(self, logits: torch.Tensor) -> torch.Tensor:
+        """A float32 buffer of `logits`' shape, reused by the next calls as long as they fit in it."""
+        size = logits.numel()
+        if self.scratch is None or self.scratch.numel() < size or self.scratch.device != logits.device:
+            self.scratch = torch.empty(size, dtype=torch.float32, device=logits.device)
+        return self.scratch[:size].view(logits.shape)
+
     def compiled(self):
-        return _TwoPasses(torch.compile(self.first, dynamic=True), torch.compile(self.second, dynamic=True))
+        return _TwoPasses(
+            torch.compile(self.first, dynamic=True), torch.compile(self.second, dynamic=True), reuse_exps=True
+        )
 
 
 _soft_rows = _TwoPasses(_soft_exps, _soft_gradient)

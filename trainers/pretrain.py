@@ -18,7 +18,7 @@ from trl import SFTConfig, SFTTrainer, TrlParser
 from osprey.zoo import load_causal_lm, load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
-from .devices import loss_autocast, set_cpu_memory_policy, set_device_defaults
+from .devices import compile_with_dynamic_shapes, loss_autocast, set_cpu_memory_policy, set_device_defaults
 from .losses import token_cross_entropy
 
 
@@ -109,6 +109,9 @@ class OspreyPretrainer(SFTTrainer):
                 )
             parent_model = parent_model.to(self.args.device).eval().requires_grad_(False)
         self.parent_model: PreTrainedModel | None = parent_model
+
+    def _build_accelerator_args(self, **kwargs):
+        return compile_with_dynamic_shapes(super()._build_accelerator_args(**kwargs))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if model.training else "eval"

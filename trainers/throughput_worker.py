@@ -7,13 +7,20 @@ checkout: it uses only the API both share (`OspreyDistillTrainer`, `OspreyPretra
 
     python trainers/throughput_worker.py distill|pretrain|features|matmul|configs ARGS...
 
+`distill NAME STEPS [compile]` and `pretrain STEPS [compile]` train with `torch_compile` (dynamic shapes) given
+`compile`, as the shipped configs do; an older commit's trainers run as they were.
+
 It also profiles a distillation step, the start of any work on its speed (one thread, as the throughput runs):
 
-    OMP_NUM_THREADS=1 python trainers/throughput_worker.py profile distill-qwen2.5-coder-1.5b [ROWS] [shapes]
+    OMP_NUM_THREADS=1 python trainers/throughput_worker.py profile distill-qwen2.5-coder-1.5b [ROWS] [shapes] [compile]
 
 prints the ops by self CPU time (stderr; with `shapes`, each op per input shapes), then the step's milliseconds per
 token in matmuls, the compiled loss kernels, the chain attention and the rest (stdout, JSON). The profiler adds a few
-percent to small ops. The loss kernels alone, per chunk of rows (default 256 x 32,000):
+percent to small ops. The TTT loss eager against compiled (bf16 autocast) on a real feature cache and drafter, per step:
+
+    python trainers/throughput_worker.py compiled-ttt FEATURE_CACHE DRAFTER [BATCHES]
+
+The loss kernels alone, per chunk of rows (default 256 x 32,000):
 
     OMP_NUM_THREADS=1 python trainers/throughput_worker.py loss-kernels [ROWS] [VOCAB]
 """
@@ -116,7 +123,7 @@ def zoo_dir(name: str) -> Path:
     return Path(os.environ.get("OSPREY_HOME", "~/.cache/osprey")).expanduser() / "models" / name
 
 
-def distill_worker(name: str, steps: int, callbacks: tuple = ()) -> dict:
+def distill_worker(name: str, steps: int, callbacks: tuple = (), compile: bool = False) -> dict:
     import torch
 
     from modeling_osprey import OspreyConfig, OspreyForDrafting
@@ -181,6 +188,7 @@ def distill_worker(name: str, steps: int, callbacks: tuple = ()) -> dict:
             seed=0,
             bf16=True,
             use_cpu=True,
+            **({"torch_compile": True} if compile else {}),
         )
         trainer = OspreyDistillTrainer(drafter, config, train_dataset=dataset, callbacks=[timer.callback, *callbacks])
         trainer.train()
@@ -197,7 +205,7 @@ def pretrain_precision() -> dict:
     return {key: config[key] for key in ("bf16", "use_cpu") if key in config}
 
 
-def pretrain_worker(steps: int) -> dict:
+def pretrain_worker(steps: int, compile: bool = False) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -228,6 +236,7 @@ def pretrain_worker(steps: int) -> dict:
             seed=0,
             dataloader_drop_last=True,
             **pretrain_precision(),
+            **({"torch_compile": True} if compile else {}),
         )
         trainer = OspreyPretrainer(
             model, config, train_dataset=dataset, processing_class=tokenizer, callbacks=[timer.callback]
@@ -345,6 +354,45 @@ def loss_kernels_worker(rows: int = 256, vocab: int = 32000) -> dict:
     return {"rows": rows, "vocab": vocab, "threads": torch.get_num_threads(), "ms_per_call": results}
 
 
+def compiled_ttt_worker(feature_cache: str, drafter_path: str, batches: int = 2) -> dict:
+    """The TTT loss's per-step losses on the first `batches` batches (2 sequences each) of a real feature cache, eager
+    and through `torch.compile(dynamic=True)`, both under bf16 autocast, and their largest difference: the check that
+    found the chain attention computing wrong values when compiled under autocast (TTT step 1's loss 4.27 against
+    1.27 on the Qwen replication's drafter; random tiny drafters did not show it), now kept out of the graph."""
+    import torch
+
+    from modeling_osprey import OspreyForDrafting
+    from trainers.distill import DistillDataCollator, label_positions, ttt_loss
+    from trainers.feature_cache import FeatureCacheDataset, TargetHead
+
+    dataset = FeatureCacheDataset(feature_cache)
+    drafter = OspreyForDrafting.from_pretrained(drafter_path).train()
+    head = dataset.target_head()
+    bias = None if head.bias is None else head.bias[drafter.draft_to_target]
+    target_head = TargetHead(head.weight[drafter.draft_to_target], bias, head.final_logit_softcapping)
+    compiled = torch.compile(drafter, dynamic=True)
+    losses = {"eager": [], "compiled": []}
+    for index in range(batches):
+        batch = DistillDataCollator()([dataset[2 * index], dataset[2 * index + 1]])
+        target_logits = target_head(batch["target_last_hidden_state"][label_positions(batch["loss_mask"])])
+        for name, model in (("eager", drafter), ("compiled", compiled)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # with gradients, as in training
+                output = ttt_loss(
+                    model,
+                    batch["input_ids"],
+                    batch["target_hidden_states"].to(drafter.dtype),
+                    target_logits,
+                    batch["target_argmax"],
+                    batch["loss_mask"],
+                    drafter.draft_to_target,
+                )
+            losses[name].append([round(loss, 4) for loss in output.step_losses.tolist()])
+    difference = max(
+        abs(a - b) for eager, other in zip(losses["eager"], losses["compiled"]) for a, b in zip(eager, other)
+    )
+    return {**losses, "max_abs_difference": round(difference, 4)}
+
+
 PROFILE_PARTS = {  # part of a profiled step: substrings of the op names it sums
     "matmul": ("aten::mm", "aten::bmm", "aten::addmm"),
     "loss kernels (compiled)": ("CompiledFxGraph",),
@@ -352,7 +400,7 @@ PROFILE_PARTS = {  # part of a profiled step: substrings of the op names it sums
 }
 
 
-def profile_worker(name: str, rows: int = 30, shapes: bool = False) -> dict:
+def profile_worker(name: str, rows: int = 30, shapes: bool = False, compile: bool = False) -> dict:
     """One distillation step of a config under `torch.profiler`, after one warm-up step: prints the ops by self CPU
     time (per input shapes with `shapes`) and returns the step's split into PROFILE_PARTS and the rest, in milliseconds
     per trained token."""
@@ -373,7 +421,7 @@ def profile_worker(name: str, rows: int = 30, shapes: bool = False) -> dict:
                 self.wall = time.perf_counter() - self.wall
 
     callback = ProfileSecondStep()
-    distill_worker(name, 1, callbacks=(callback,))
+    distill_worker(name, 1, callbacks=(callback,), compile=compile)
     spec = DISTILL_CONFIGS[name]
     tokens = tokens_per_step(spec)
     events = callback.profiler.key_averages(group_by_input_shape=shapes)
@@ -397,12 +445,15 @@ def profile_worker(name: str, rows: int = 30, shapes: bool = False) -> dict:
 def main(argv: list[str]) -> int:
     kind, *rest = argv
     workers = {
-        "distill": lambda: distill_worker(rest[0], int(rest[1])),
-        "pretrain": lambda: pretrain_worker(int(rest[0])),
+        "distill": lambda: distill_worker(rest[0], int(rest[1]), compile="compile" in rest[2:]),
+        "pretrain": lambda: pretrain_worker(int(rest[0]), compile="compile" in rest[1:]),
         "features": lambda: features_worker(int(rest[0])),
         "matmul": lambda: matmul_worker(json.loads(rest[0])),
         "loss-kernels": lambda: loss_kernels_worker(*map(int, rest[:2])),
-        "profile": lambda: profile_worker(rest[0], *map(int, rest[1:2]), shapes="shapes" in rest[2:]),
+        "profile": lambda: profile_worker(
+            rest[0], *map(int, rest[1:2]), shapes="shapes" in rest[2:], compile="compile" in rest[2:]
+        ),
+        "compiled-ttt": lambda: compiled_ttt_worker(rest[0], rest[1], *map(int, rest[2:3])),
         "configs": lambda: {"distill": DISTILL_CONFIGS, "pretrain": PRETRAIN_CONFIG, "pretrain_model": SMOLLM2_2L},
     }
     print(json.dumps(workers[kind]()))
