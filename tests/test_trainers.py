@@ -875,7 +875,9 @@ def test_distillation_trains_the_column_major_head_exactly_like_a_row_major_one(
         assert trainer.model.lm_head.weight.T.is_contiguous() == column_major
         trainer.train()
         weights[column_major] = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
-        if column_major:
+        if column_major:  # a resumed run's optimizer states (maybe saved row-major) take the head's layout
+            hooks = trainer.optimizer.optimizer._optimizer_load_state_dict_post_hooks.values()
+            assert states_in_parameter_layout in hooks
             trainer.model.save_pretrained(tmp_path / "saved")
             loaded = OspreyForDrafting.from_pretrained(tmp_path / "saved")
             torch.testing.assert_close(loaded.lm_head.weight, trainer.model.lm_head.weight, rtol=0, atol=0)
