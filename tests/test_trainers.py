@@ -399,13 +399,15 @@ def test_linear_soft_cross_entropy_equals_the_head_then_the_loss():
 
 def test_target_head_in_row_chunks_equals_one_linear():
     """`TargetHead` runs its GEMM a chunk of rows at a time (3 here: the last chunk short, rows of a 3-D batch split
-    across chunks): the same logits as one `F.linear`, with a bias, over a subset of vocabulary rows, soft-capped."""
+    across chunks): the same logits as one `F.linear`, with a bias, over a subset of vocabulary rows (given per call or
+    as a `restricted` head), soft-capped."""
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 5, 8, generator=generator)
     weight, bias = torch.randn(20, 8, generator=generator), torch.randn(20, generator=generator)
     rows = torch.tensor([3, 0, 7, 19, 11])
     expected = torch.nn.functional.linear(hidden, weight[rows], bias[rows])
     torch.testing.assert_close(TargetHead(weight, bias)(hidden, rows, chunk_size=3), expected)
+    torch.testing.assert_close(TargetHead(weight, bias).restricted(rows)(hidden, chunk_size=3), expected)
     capped = TargetHead(weight, None, final_logit_softcapping=2.0)(hidden, chunk_size=3)
     torch.testing.assert_close(capped, torch.tanh(torch.nn.functional.linear(hidden, weight) / 2.0) * 2.0)
 

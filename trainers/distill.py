@@ -31,7 +31,7 @@ from .devices import (
     states_in_parameter_layout,
     unwrap,
 )
-from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset, TargetHead, greedy_tokens
+from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset, greedy_tokens
 from .losses import head_for_loss, linear_soft_cross_entropy, store_column_major, target_distribution
 from .pretrain import resume_argument
 from .tokenization import tokenize_dataset
@@ -305,10 +305,8 @@ class OspreyDistillTrainer(Trainer):
             self.target_model = target_model.to(self.args.device).eval().requires_grad_(False)
         self.target_head = None
         if self.feature_cache is not None:  # restricted once to the draft vocabulary, the only logits distillation uses
-            head = self.feature_cache.target_head()
-            rows = model.draft_to_target.cpu()
-            bias = None if head.bias is None else head.bias[rows]
-            self.target_head = TargetHead(head.weight[rows], bias, head.final_logit_softcapping).to(self.args.device)
+            head = self.feature_cache.target_head().restricted(model.draft_to_target)
+            self.target_head = head.to(self.args.device)
         self._metrics = {mode: {"sums": torch.zeros(3, args.ttt_steps), "batches": 0} for mode in ("train", "eval")}
 
     def create_optimizer(self, *args, **kwargs):

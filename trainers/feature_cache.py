@@ -66,6 +66,12 @@ class TargetHead(nn.Module):
         bias = getattr(head, "bias", None)
         return cls(head.weight.detach(), None if bias is None else bias.detach(), softcapping)
 
+    def restricted(self, rows: torch.LongTensor) -> "TargetHead":
+        """This head over vocabulary `rows` only (a drafter's draft vocabulary, `draft_to_target`), as its own head."""
+        rows = rows.to(self.weight.device)
+        bias = None if self.bias is None else self.bias[rows]
+        return TargetHead(self.weight[rows], bias, self.final_logit_softcapping)
+
     def forward(
         self, hidden_states: torch.Tensor, rows: torch.LongTensor | None = None, chunk_size: int = 512
     ) -> torch.Tensor:

@@ -363,13 +363,11 @@ def compiled_ttt_worker(feature_cache: str, drafter_path: str, batches: int = 2)
 
     from modeling_osprey import OspreyForDrafting
     from trainers.distill import DistillDataCollator, label_positions, ttt_loss
-    from trainers.feature_cache import FeatureCacheDataset, TargetHead
+    from trainers.feature_cache import FeatureCacheDataset
 
     dataset = FeatureCacheDataset(feature_cache)
     drafter = OspreyForDrafting.from_pretrained(drafter_path).train()
-    head = dataset.target_head()
-    bias = None if head.bias is None else head.bias[drafter.draft_to_target]
-    target_head = TargetHead(head.weight[drafter.draft_to_target], bias, head.final_logit_softcapping)
+    target_head = dataset.target_head().restricted(drafter.draft_to_target)
     compiled = torch.compile(drafter, dynamic=True)
     losses = {"eager": [], "compiled": []}
     for index in range(batches):
