@@ -153,7 +153,7 @@ class _TwoPasses:
     def __call__(self, logits, target_probs, rows, out=None):
         if out is None or not self.reuse_exps:
             loss, argmax, exps, sums = self.first(logits, target_probs, rows)
-        else:  # compiled, in chunks: every chunk's exponentials written into one float32 buffer (eager, a copy)
+        else:  # compiled, in chunks: every chunk's exponentials in one float32 buffer (eager, it would add a copy)
             loss, argmax, exps, sums = self.first(logits, target_probs, rows, self._scratch(logits))
         return loss, argmax, self.second(exps, sums, target_probs, rows, logits.dtype, out)
 
