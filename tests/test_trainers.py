@@ -48,7 +48,7 @@ from trainers.devices import (
     states_in_parameter_layout,
     unwrap,
 )
-from trainers.losses import compute_dtype
+from trainers.losses import compute_dtype, target_distribution, target_distribution_and_entropy
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -146,6 +146,16 @@ def test_config_defaults_are_cpu_safe(tmp_path):
     assert OspreyDistillConfig(output_dir=str(tmp_path)).ttt_steps == 5
     with pytest.raises(ValueError, match="checkpointing"):
         OspreyDistillConfig(output_dir=str(tmp_path), activation_checkpointing=True)
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="bf16 on a machine without an accelerator")
+def test_a_bf16_config_runs_on_a_cpu_without_use_cpu(tmp_path):
+    """`bf16: true` alone (as a config written for any machine says it) means bf16 autocast on a CPU-only machine;
+    transformers refuses it there unless `use_cpu` is set, so the configs set it."""
+    for config_class in (OspreyDistillConfig, OspreyPretrainConfig):
+        config = config_class(output_dir=str(tmp_path), bf16=True)
+        assert config.bf16 and config.use_cpu
+        assert not config_class(output_dir=str(tmp_path)).use_cpu
 
 
 def ttt_attention_mask(num_positions: int, step: int) -> torch.Tensor:
@@ -363,6 +373,20 @@ def test_chunked_soft_cross_entropy_equals_the_plain_one():
         assert torch.equal(argmax, logits.argmax(-1))
         (grad,) = torch.autograd.grad(3 * loss, logits)
         torch.testing.assert_close(grad, expected_grad)
+
+
+def test_target_distribution_and_entropy_in_one_pass():
+    """Stage 2's self-distillation reads the parent's distribution at the trained positions and its entropy (the KL
+    divergence's constant term) from one pass; both equal softmax and `-sum p log p`, eager and compiled."""
+    generator = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(3, 30, 33, generator=generator)).bfloat16()
+    mask = torch.rand(3, 30, generator=generator) > 0.3
+    expected = logits[mask].float().softmax(-1)
+    for compile in (False, True):
+        probs, entropy = target_distribution_and_entropy(logits, mask, compile=compile)
+        torch.testing.assert_close(probs, expected)
+        torch.testing.assert_close(entropy, torch.special.entr(expected).sum())
+        torch.testing.assert_close(probs, target_distribution(logits, mask, compile=compile))
 
 
 def test_linear_soft_cross_entropy_equals_the_head_then_the_loss():
@@ -739,7 +763,12 @@ def test_self_distillation_on_packed_batches(tmp_path):
         ).sum()
         tokens += int((labels != -100).sum())
     expected = (ce_sum + 0.5 * 4 * kl_sum) / tokens
-    torch.testing.assert_close(trainer.compute_loss(student, batch), expected, rtol=1e-4, atol=1e-4)
+    expected_grads = torch.autograd.grad(expected, list(student.parameters()))
+    loss = trainer.compute_loss(student, batch)
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
+    # the fused losses' gradients are the formula's
+    for grad, expected_grad in zip(torch.autograd.grad(loss, list(student.parameters())), expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-5)
     trainer.train()
     assert logged(trainer, "distill_kl")[-1] < logged(trainer, "distill_kl")[0]
 

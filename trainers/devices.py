@@ -22,11 +22,14 @@ def cuda_bf16_available() -> bool:
 
 def set_device_defaults(args: TrainingArguments) -> None:
     """Fills a trainer config's `bf16` when left unset (None) and turns off pinned memory without an accelerator;
-    called by the configs' `__post_init__` before `TrainingArguments` checks them."""
+    called by the configs' `__post_init__` before `TrainingArguments` checks them. Without an accelerator `bf16: true`
+    means bf16 autocast on the CPU, which `TrainingArguments` accepts only with `use_cpu`: it is set, so that one
+    config runs on a GPU machine and on a CPU-only one."""
     if args.bf16 is None:
         args.bf16 = cuda_bf16_available() and not args.fp16 and not args.use_cpu
     if not torch.accelerator.is_available():  # pinning host memory only helps copies to a device
         args.dataloader_pin_memory = False
+        args.use_cpu = args.use_cpu or bool(args.bf16)
 
 
 def load_target(name_or_path: str, dtype: str, device_map: str | None = None) -> PreTrainedModel:

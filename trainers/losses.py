@@ -115,8 +115,27 @@ def target_distribution(
     return function(target_logits.flatten(0, -2), mask.flatten().nonzero().squeeze(1))
 
 
+def target_distribution_and_entropy(
+    target_logits: torch.Tensor, mask: torch.BoolTensor | None = None, compile: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`target_distribution(target_logits, mask)` and the summed entropy of its rows, `-sum p log p`, in one pass
+    over the logits (`H = logsumexp(z) - sum_v p_v z_v` per row): a KL divergence's constant term, which a soft
+    cross-entropy leaves out."""
+    function, _ = _row_function(_gathered_softmax_entropy, target_logits, compile, 0)
+    if mask is None:
+        return function(target_logits, None)
+    return function(target_logits.flatten(0, -2), mask.flatten().nonzero().squeeze(1))
+
+
 def _gathered_softmax(logits, index):
     return (logits if index is None else logits[index]).float().softmax(dim=-1)
+
+
+def _gathered_softmax_entropy(logits, index):
+    scores = (logits if index is None else logits[index]).float()
+    log_normalizer = scores.logsumexp(dim=-1, keepdim=True)
+    probs = (scores - log_normalizer).exp()
+    return probs, (log_normalizer.squeeze(-1) - (probs * scores).sum(dim=-1)).sum()
 
 
 def _soft_exps(logits, target_probs, rows, exps_out=None):

@@ -19,7 +19,7 @@ from osprey.zoo import load_causal_lm, load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
 from .devices import compile_with_dynamic_shapes, loss_autocast, set_cpu_memory_policy, set_device_defaults
-from .losses import token_cross_entropy
+from .losses import soft_cross_entropy, target_distribution_and_entropy, token_cross_entropy
 
 
 @dataclass
@@ -131,18 +131,20 @@ class OspreyPretrainer(SFTTrainer):
             lm_loss = loss_sum / num_tokens
             metrics = {"mean_token_accuracy": correct / mask.sum().clamp(min=1)}
             loss = lm_loss
-        else:
-            logits, labels = logits[mask].float(), labels[mask]
-            lm_loss = F.cross_entropy(logits, labels, reduction="sum") / num_tokens
-            metrics = {"mean_token_accuracy": (logits.argmax(-1) == labels).float().mean()}
-            with torch.no_grad():
-                parent_logits = self.parent_model(**model_inputs, use_cache=False).logits[:, :-1][mask].float()
+        else:  # the same fused losses: KL(p || q) = CE(p, q) - H(p), the parent's entropy H(p) a constant
+            trained = F.pad(mask, (0, 1), value=False).flatten()  # positions whose next token is trained on
+            logits = outputs.logits.flatten(0, 1)[trained]  # (tokens, vocabulary) in the compute dtype
+            lm_sum, correct = token_cross_entropy(logits, labels[mask])
+            lm_loss = lm_sum / num_tokens
             temperature = self.args.temperature
-            log_q = (logits / temperature).log_softmax(-1)
-            log_p = (parent_logits / temperature).log_softmax(-1)
-            kl = F.kl_div(log_q, log_p, log_target=True, reduction="sum") / num_tokens
+            tempered = (lambda x: x) if temperature == 1 else (lambda x: x / temperature)
+            with torch.no_grad():
+                parent_logits = self.parent_model(**model_inputs, use_cache=False).logits
+                parent_probs, parent_entropy = target_distribution_and_entropy(tempered(parent_logits), trained)
+            cross_sum, _ = soft_cross_entropy(tempered(logits), parent_probs)
+            kl = (cross_sum - parent_entropy) / num_tokens
             loss = lm_loss + self.args.distill_weight * temperature**2 * kl
-            metrics.update(lm_loss=lm_loss, distill_kl=kl)
+            metrics = {"mean_token_accuracy": correct / mask.sum().clamp(min=1), "lm_loss": lm_loss, "distill_kl": kl}
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes  # like SFTTrainer: DDP averages, the count is global
         values = self.accelerator.gather_for_metrics(torch.stack(list(metrics.values())).detach()[None]).mean(0)

@@ -8,7 +8,8 @@ checkout: it uses only the API both share (`OspreyDistillTrainer`, `OspreyPretra
     python trainers/throughput_worker.py distill|pretrain|features|matmul|configs ARGS...
 
 `distill NAME STEPS [compile]` and `pretrain STEPS [compile]` train with `torch_compile` (dynamic shapes) given
-`compile`, as the shipped configs do; an older commit's trainers run as they were.
+`compile`, as the shipped configs do; an older commit's trainers run as they were. `self-distill STEPS [compile]
+[bf16]` times stage 2 of the Qwen backbone (self-distillation from the unpruned parent, the zoo's weights).
 
 It also profiles a distillation step, the start of any work on its speed (one thread, as the throughput runs):
 
@@ -246,6 +247,67 @@ def pretrain_worker(steps: int, compile: bool = False) -> dict:
     return {**result, "precision": "bf16 autocast" if config.bf16 else "float32"}
 
 
+QWEN_STAGE2_CONFIG = "pretrain-qwen2.5-coder-0.5b-multilingual.yaml"
+QWEN_0_5B = "qwen2.5-coder-0.5b-instruct"
+
+
+def self_distill_worker(steps: int, compile: bool = False, bf16: bool = False) -> dict:
+    """Stage 2 of the same-tokenizer backbone as `benchmarks/replication/stage2_qwen.sh` runs it: the zoo's
+    Qwen2.5-Coder-0.5B-Instruct pruned to its first 2 blocks, self-distilled from the whole model (its config's
+    weights, temperature and frozen embedding and head), on random tokens, 2 x 1,024 per step (one micro-batch);
+    the parent in bfloat16 with `bf16` (autocast), else in float32, as the trainer loads it."""
+    import copy
+
+    import torch
+    import yaml
+    from datasets import Dataset
+
+    import trainers
+    from osprey.zoo import load_causal_lm, load_tokenizer
+    from trainers.pretrain import OspreyPretrainConfig, OspreyPretrainer
+
+    recipe = yaml.safe_load((Path(trainers.__file__).parent / "configs" / QWEN_STAGE2_CONFIG).read_text())
+    parent = load_causal_lm(QWEN_0_5B, dtype=torch.bfloat16 if bf16 else torch.float32)
+    student = copy.deepcopy(parent).float()
+    student.model.layers = student.model.layers[:2]
+    student.config.num_hidden_layers = 2
+    student.config.layer_types = student.config.layer_types[:2]
+    tokenizer = load_tokenizer(QWEN_0_5B)
+    batch_size, seq_len = 2, 1024
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, QWEN_VOCAB, (batch_size * (steps + 1), seq_len), generator=generator).tolist()
+    timer = _StepTimer()
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = OspreyPretrainConfig(
+            output_dir=output_dir,
+            per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=1,
+            max_steps=steps + 1,
+            max_length=seq_len,
+            learning_rate=2e-4,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            logging_steps=1000,
+            seed=0,
+            dataloader_drop_last=True,
+            bf16=bf16,
+            use_cpu=bf16,  # older trainers need it for bf16 on a CPU
+            **{key: recipe[key] for key in ("distill_weight", "temperature", "freeze_embeddings", "freeze_lm_head")},
+            **({"torch_compile": True} if compile else {}),
+        )
+        trainer = OspreyPretrainer(
+            student,
+            config,
+            train_dataset=Dataset.from_dict({"input_ids": rows}),
+            processing_class=tokenizer,
+            parent_model=parent,
+            callbacks=[timer.callback],
+        )
+        trainer.train()
+    return {**timer.result(batch_size * seq_len), "precision": "bf16 autocast" if config.bf16 else "float32"}
+
+
 def features_worker(num_sequences: int) -> dict:
     import torch
     from datasets import Dataset
@@ -445,6 +507,9 @@ def main(argv: list[str]) -> int:
     workers = {
         "distill": lambda: distill_worker(rest[0], int(rest[1]), compile="compile" in rest[2:]),
         "pretrain": lambda: pretrain_worker(int(rest[0]), compile="compile" in rest[1:]),
+        "self-distill": lambda: self_distill_worker(
+            int(rest[0]), compile="compile" in rest[1:], bf16="bf16" in rest[1:]
+        ),
         "features": lambda: features_worker(int(rest[0])),
         "matmul": lambda: matmul_worker(json.loads(rest[0])),
         "loss-kernels": lambda: loss_kernels_worker(*map(int, rest[:2])),
