@@ -752,12 +752,13 @@ def test_self_distillation_on_packed_batches(tmp_path):
     assert "position_ids" in batch and batch["input_ids"].shape[0] == 1  # padding-free packing
     # Reference: every packed document on its own, CE + 0.5 * T^2 * KL averaged over all trained tokens.
     starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
-    ce_sum = kl_sum = tokens = 0.0
+    ce_sum = kl_sum = tokens = correct = 0.0
     for start, end in pairwise(starts):
         ids, labels = batch["input_ids"][:, start:end], batch["labels"][0, start + 1 : end]
         logits = student(input_ids=ids).logits[0, :-1][labels != -100]
         parent_logits = parent(input_ids=ids).logits[0, :-1][labels != -100]
         ce_sum += torch.nn.functional.cross_entropy(logits, labels[labels != -100], reduction="sum")
+        correct += int((logits.argmax(-1) == labels[labels != -100]).sum())
         kl_sum += (
             parent_logits.div(2).softmax(-1) * (parent_logits.div(2).log_softmax(-1) - logits.div(2).log_softmax(-1))
         ).sum()
@@ -766,6 +767,14 @@ def test_self_distillation_on_packed_batches(tmp_path):
     expected_grads = torch.autograd.grad(expected, list(student.parameters()))
     loss = trainer.compute_loss(student, batch)
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
+    # a micro-batch of an accumulated batch twice its size: half the loss, the same per-token metrics
+    torch.testing.assert_close(
+        trainer.compute_loss(student, batch, num_items_in_batch=2 * int(tokens)), expected / 2, rtol=1e-4, atol=1e-4
+    )
+    metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    assert metrics["mean_token_accuracy"] == pytest.approx(correct / tokens)
+    assert metrics["lm_loss"] == pytest.approx(float(ce_sum / tokens), rel=1e-4)
+    assert metrics["distill_kl"] == pytest.approx(float(kl_sum / tokens), rel=1e-4)
     # the fused losses' gradients are the formula's
     for grad, expected_grad in zip(torch.autograd.grad(loss, list(student.parameters())), expected_grads, strict=True):
         torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-5)

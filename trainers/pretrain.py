@@ -123,13 +123,14 @@ class OspreyPretrainer(SFTTrainer):
         mask = labels != -100
         num_tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
         num_tokens = torch.as_tensor(num_tokens, device=labels.device).clamp(min=1)
+        counted = mask.sum().clamp(min=1)  # the metrics are means over this micro-batch's tokens
         logits = outputs.logits[:, :-1]
         if self.parent_model is None:  # the fused loss: no float32 copy of the logits, gradient written in the forward
             # Logits of every position (a view, no copy) against the next tokens, the last position ignored.
             next_tokens = F.pad(labels, (0, 1), value=-100).reshape(-1)
             loss_sum, correct = token_cross_entropy(outputs.logits.reshape(-1, logits.shape[-1]), next_tokens)
             lm_loss = loss_sum / num_tokens
-            metrics = {"mean_token_accuracy": correct / mask.sum().clamp(min=1)}
+            metrics = {"mean_token_accuracy": correct / counted}
             loss = lm_loss
         else:  # the same fused losses: KL(p || q) = CE(p, q) - H(p), the parent's entropy H(p) a constant
             trained = F.pad(mask, (0, 1), value=False).flatten()  # positions whose next token is trained on
@@ -142,9 +143,14 @@ class OspreyPretrainer(SFTTrainer):
                 parent_logits = self.parent_model(**model_inputs, use_cache=False).logits
                 parent_probs, parent_entropy = target_distribution_and_entropy(tempered(parent_logits), trained)
             cross_sum, _ = soft_cross_entropy(tempered(logits), parent_probs)
-            kl = (cross_sum - parent_entropy) / num_tokens
-            loss = lm_loss + self.args.distill_weight * temperature**2 * kl
-            metrics = {"mean_token_accuracy": correct / mask.sum().clamp(min=1), "lm_loss": lm_loss, "distill_kl": kl}
+            kl_sum = cross_sum - parent_entropy
+            loss = lm_loss + self.args.distill_weight * temperature**2 * kl_sum / num_tokens
+            # per token of this micro-batch (the loss divides by the whole accumulated batch's tokens)
+            metrics = {
+                "mean_token_accuracy": correct / counted,
+                "lm_loss": lm_sum / counted,
+                "distill_kl": kl_sum / counted,
+            }
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes  # like SFTTrainer: DDP averages, the count is global
         values = self.accelerator.gather_for_metrics(torch.stack(list(metrics.values())).detach()[None]).mean(0)
