@@ -75,6 +75,22 @@ def flops_per_token(gemms, tokens_per_micro_batch: int, steps: int = 1) -> float
     return 3 * steps * sum(2 * m * k * n * times for m, k, n, times in gemms) / tokens_per_micro_batch
 
 
+def judged(tokens_per_s: float, baseline_tokens_per_s: float, limit_tokens_per_s: float, goal: float) -> dict:
+    """Issue 16's goal for one config: `goal` x the baseline's tokens/s, or, only where that exceeds the matmul limit
+    (then impossible), >= 60% of the limit. `goal_share_of_limit` says how much of the limit the speed-up goal takes."""
+    goal_rate = goal * baseline_tokens_per_s
+    met_by = "none"
+    if tokens_per_s >= goal_rate:
+        met_by = "speedup"
+    elif goal_rate > limit_tokens_per_s and tokens_per_s >= 0.6 * limit_tokens_per_s:
+        met_by = "fraction_of_matmul_limit"
+    return {
+        "goal": f">= {goal:g}x baseline, or >= 60% of the matmul limit where {goal:g}x exceeds it",
+        "goal_share_of_limit": round(goal_rate / limit_tokens_per_s, 3),
+        "goal_met_by": met_by,
+    }
+
+
 def matmul_limit(gemms, rates: dict) -> float:
     flops = [2 * m * k * n * times for m, k, n, times in gemms]
     seconds = sum(f / rates[f"{m}x{k}x{n}"] for f, (m, k, n, _) in zip(flops, gemms))
@@ -120,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     globals()["THREADS"] = args.threads
     configs = run_worker(REPO, "configs")
+    if {"pretrain-smollm2-2l", "features"} & set(args.configs):
+        # stage 2 reads its tokenizer, feature extraction its target, from the zoo's cache (both versions' workers)
+        from osprey.zoo import fetch
+
+        fetch("smollm2-135m-instruct")
 
     commit = subprocess.run(
         ["git", "-C", str(REPO), "rev-parse", args.baseline_commit], capture_output=True, text=True, check=True
@@ -195,14 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                     "matmul_limit_gflops_per_s": round(limit, 1),
                     "matmul_limit_tokens_per_s": round(limit * 1e9 / flops, 1),
                     "fraction_of_matmul_limit": round(current * flops / 1e9 / limit, 3),
-                    "goal": f">= {goal:g}x baseline, or >= 60% of the matmul limit where {goal:g}x exceeds it",
-                    "goal_met_by": (
-                        "speedup"
-                        if current >= goal * baseline_rate
-                        else "fraction_of_matmul_limit"
-                        if current * flops / 1e9 >= 0.6 * limit
-                        else "none"
-                    ),
+                    **judged(current, baseline_rate, limit * 1e9 / flops, goal),
                     "matmul_gflops_per_s_by_shape": {shape: round(rate, 1) for shape, rate in rates.items()},
                     "runs": runs,
                 }
