@@ -173,23 +173,19 @@ def distill_worker(name: str, steps: int, callbacks: tuple = (), compile: bool =
     dataset = RandomFeatures(spec["batch_size"] * spec["accumulation"] * (steps + 1))
     timer = _StepTimer()
     with tempfile.TemporaryDirectory() as output_dir:
-        config = OspreyDistillConfig(
-            output_dir=output_dir,
+        config = timed_config(
+            OspreyDistillConfig,
+            output_dir,
+            steps,
+            compile,
             per_device_train_batch_size=spec["batch_size"],
             gradient_accumulation_steps=spec["accumulation"],
-            max_steps=steps + 1,
             ttt_steps=spec["ttt_steps"],
             learning_rate=3e-4,
             lr_scheduler_type="cosine",
             max_grad_norm=0.5,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            logging_steps=1000,
-            seed=0,
             bf16=True,
             use_cpu=True,
-            **({"torch_compile": True} if compile else {}),
         )
         trainer = OspreyDistillTrainer(drafter, config, train_dataset=dataset, callbacks=[timer.callback, *callbacks])
         trainer.train()
@@ -204,6 +200,13 @@ def pretrain_precision() -> dict:
 
     config = yaml.safe_load((Path(trainers.__file__).parent / "configs" / "pretrain-smollm2-2l.yaml").read_text())
     return {key: config[key] for key in ("bf16", "use_cpu") if key in config}
+
+
+def timed_config(config_class, output_dir: str, steps: int, compile: bool, **settings):
+    """A trainer config for `steps` timed steps after one warm-up, nothing saved or logged on the way."""
+    defaults = {"save_strategy": "no", "report_to": "none", "disable_tqdm": True, "logging_steps": 1000, "seed": 0}
+    compiled = {"torch_compile": True} if compile else {}
+    return config_class(output_dir=output_dir, max_steps=steps + 1, **defaults, **compiled, **settings)
 
 
 def pretrain_worker(steps: int, compile: bool = False) -> dict:
@@ -223,21 +226,17 @@ def pretrain_worker(steps: int, compile: bool = False) -> dict:
     dataset = Dataset.from_dict({"input_ids": rows})
     timer = _StepTimer()
     with tempfile.TemporaryDirectory() as output_dir:
-        config = OspreyPretrainConfig(
-            output_dir=output_dir,
+        config = timed_config(
+            OspreyPretrainConfig,
+            output_dir,
+            steps,
+            compile,
             per_device_train_batch_size=spec["batch_size"],
             gradient_accumulation_steps=spec["accumulation"],
-            max_steps=steps + 1,
             max_length=spec["seq_len"],
             learning_rate=3e-4,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            logging_steps=1000,
-            seed=0,
             dataloader_drop_last=True,
             **pretrain_precision(),
-            **({"torch_compile": True} if compile else {}),
         )
         trainer = OspreyPretrainer(
             model, config, train_dataset=dataset, processing_class=tokenizer, callbacks=[timer.callback]
@@ -278,23 +277,19 @@ def self_distill_worker(steps: int, compile: bool = False, bf16: bool = False) -
     rows = torch.randint(0, QWEN_VOCAB, (batch_size * (steps + 1), seq_len), generator=generator).tolist()
     timer = _StepTimer()
     with tempfile.TemporaryDirectory() as output_dir:
-        config = OspreyPretrainConfig(
-            output_dir=output_dir,
+        config = timed_config(
+            OspreyPretrainConfig,
+            output_dir,
+            steps,
+            compile,
             per_device_train_batch_size=batch_size,
             gradient_accumulation_steps=1,
-            max_steps=steps + 1,
             max_length=seq_len,
             learning_rate=2e-4,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            logging_steps=1000,
-            seed=0,
-            dataloader_drop_last=True,
             bf16=bf16,
             use_cpu=bf16,  # older trainers need it for bf16 on a CPU
+            dataloader_drop_last=True,
             **{key: recipe[key] for key in ("distill_weight", "temperature", "freeze_embeddings", "freeze_lm_head")},
-            **({"torch_compile": True} if compile else {}),
         )
         trainer = OspreyPretrainer(
             student,
