@@ -6,7 +6,7 @@
 # redoes every stage (~4 h of 2 cores, so run it twice: each stage resumes) in the order it was run:
 #
 #   1. prune: Qwen2.5-Coder-0.5B-Instruct's first 2 blocks (no stage 2: at 13 tokens/s with its parent as teacher
-#      the CPU cannot afford it, see stage2_qwen.sh);
+#      the CPU could not afford it then; since session 16 it runs at ~127 tokens/s, see stage2_qwen.sh);
 #   2. convert for the 1.5B target, 32k draft vocabulary counted on target answers, ShareGPT and multilingual text;
 #   3. round 1: features of 240 regenerated conversations, 60 + 120 distillation steps (distill-qwen-q05b-*.yaml);
 #   4. round 2: features of the first 816 regenerated conversations, 500 more steps (distill-qwen-q05b-regen816.yaml);
