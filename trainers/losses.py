@@ -109,10 +109,7 @@ def target_distribution(
 ) -> torch.Tensor:
     """`target_logits[mask].float().softmax(-1)`: the target's distributions at the masked positions (every row of
     `(n, vocabulary)` logits without a mask), in float32."""
-    function, _ = _row_function(_gathered_softmax, target_logits, compile, 0)
-    if mask is None:
-        return function(target_logits, None)
-    return function(target_logits.flatten(0, -2), mask.flatten().nonzero().squeeze(1))
+    return _at_masked_rows(_gathered_softmax, target_logits, mask, compile)
 
 
 def target_distribution_and_entropy(
@@ -121,10 +118,16 @@ def target_distribution_and_entropy(
     """`target_distribution(target_logits, mask)` and the summed entropy of its rows, `-sum p log p`, in one pass
     over the logits (`H = logsumexp(z) - sum_v p_v z_v` per row): a KL divergence's constant term, which a soft
     cross-entropy leaves out."""
-    function, _ = _row_function(_gathered_softmax_entropy, target_logits, compile, 0)
+    return _at_masked_rows(_gathered_softmax_entropy, target_logits, mask, compile)
+
+
+def _at_masked_rows(row_function, logits: torch.Tensor, mask: torch.BoolTensor | None, compile: bool | None):
+    """`row_function(rows, index)` over the rows of `logits` where `mask` is set (all of `(n, vocabulary)` logits
+    without one), the gather done inside it (compiled, fused into its first pass)."""
+    function, _ = _row_function(row_function, logits, compile, 0)
     if mask is None:
-        return function(target_logits, None)
-    return function(target_logits.flatten(0, -2), mask.flatten().nonzero().squeeze(1))
+        return function(logits, None)
+    return function(logits.flatten(0, -2), mask.flatten().nonzero().squeeze(1))
 
 
 def _gathered_softmax(logits, index):

@@ -124,11 +124,10 @@ class OspreyPretrainer(SFTTrainer):
         num_tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
         num_tokens = torch.as_tensor(num_tokens, device=labels.device).clamp(min=1)
         counted = mask.sum().clamp(min=1)  # the metrics are means over this micro-batch's tokens
-        logits = outputs.logits[:, :-1]
         if self.parent_model is None:  # the fused loss: no float32 copy of the logits, gradient written in the forward
             # Logits of every position (a view, no copy) against the next tokens, the last position ignored.
             next_tokens = F.pad(labels, (0, 1), value=-100).reshape(-1)
-            loss_sum, correct = token_cross_entropy(outputs.logits.reshape(-1, logits.shape[-1]), next_tokens)
+            loss_sum, correct = token_cross_entropy(outputs.logits.flatten(0, 1), next_tokens)
             lm_loss = loss_sum / num_tokens
             metrics = {"mean_token_accuracy": correct / counted}
             loss = lm_loss

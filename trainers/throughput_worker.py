@@ -209,12 +209,31 @@ def timed_config(config_class, output_dir: str, steps: int, compile: bool, **set
     return config_class(output_dir=output_dir, max_steps=steps + 1, **defaults, **compiled, **settings)
 
 
-def pretrain_worker(steps: int, compile: bool = False) -> dict:
-    import torch
+def timed_pretraining(model, tokenizer, rows: list, steps: int, compile: bool, tokens: int, **settings) -> dict:
+    """`OspreyPretrainer` (stage 2) on token `rows` for `steps` timed steps after one warm-up; `tokens` per step."""
     from datasets import Dataset
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from trainers.pretrain import OspreyPretrainConfig, OspreyPretrainer
+
+    timer = _StepTimer()
+    parent_model = settings.pop("parent_model", None)
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = timed_config(OspreyPretrainConfig, output_dir, steps, compile, dataloader_drop_last=True, **settings)
+        trainer = OspreyPretrainer(
+            model,
+            config,
+            train_dataset=Dataset.from_dict({"input_ids": rows}),
+            processing_class=tokenizer,
+            callbacks=[timer.callback],
+            **({"parent_model": parent_model} if parent_model is not None else {}),
+        )
+        trainer.train()
+    return {**timer.result(tokens), "precision": "bf16 autocast" if config.bf16 else "float32"}
+
+
+def pretrain_worker(steps: int, compile: bool = False) -> dict:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_2L))
@@ -223,27 +242,19 @@ def pretrain_worker(steps: int, compile: bool = False) -> dict:
     num_rows = spec["batch_size"] * spec["accumulation"] * (steps + 1)
     generator = torch.Generator().manual_seed(1)
     rows = torch.randint(0, SMOLLM_VOCAB, (num_rows, spec["seq_len"]), generator=generator).tolist()
-    dataset = Dataset.from_dict({"input_ids": rows})
-    timer = _StepTimer()
-    with tempfile.TemporaryDirectory() as output_dir:
-        config = timed_config(
-            OspreyPretrainConfig,
-            output_dir,
-            steps,
-            compile,
-            per_device_train_batch_size=spec["batch_size"],
-            gradient_accumulation_steps=spec["accumulation"],
-            max_length=spec["seq_len"],
-            learning_rate=3e-4,
-            dataloader_drop_last=True,
-            **pretrain_precision(),
-        )
-        trainer = OspreyPretrainer(
-            model, config, train_dataset=dataset, processing_class=tokenizer, callbacks=[timer.callback]
-        )
-        trainer.train()
-    result = timer.result(tokens_per_step(spec))
-    return {**result, "precision": "bf16 autocast" if config.bf16 else "float32"}
+    return timed_pretraining(
+        model,
+        tokenizer,
+        rows,
+        steps,
+        compile,
+        tokens_per_step(spec),
+        per_device_train_batch_size=spec["batch_size"],
+        gradient_accumulation_steps=spec["accumulation"],
+        max_length=spec["seq_len"],
+        learning_rate=3e-4,
+        **pretrain_precision(),
+    )
 
 
 QWEN_STAGE2_CONFIG = "pretrain-qwen2.5-coder-0.5b-multilingual.yaml"
@@ -252,55 +263,37 @@ QWEN_0_5B = "qwen2.5-coder-0.5b-instruct"
 
 def self_distill_worker(steps: int, compile: bool = False, bf16: bool = False) -> dict:
     """Stage 2 of the same-tokenizer backbone as `benchmarks/replication/stage2_qwen.sh` runs it: the zoo's
-    Qwen2.5-Coder-0.5B-Instruct pruned to its first 2 blocks, self-distilled from the whole model (its config's
-    weights, temperature and frozen embedding and head), on random tokens, 2 x 1,024 per step (one micro-batch);
-    the parent in bfloat16 with `bf16` (autocast), else in float32, as the trainer loads it."""
-    import copy
-
+    Qwen2.5-Coder-0.5B-Instruct pruned to its first 2 blocks (`osprey.prune.prune`), self-distilled from the whole
+    model (its config's weights, temperature and frozen embedding and head), on random tokens, 2 x 1,024 per step
+    (one micro-batch); the parent in bfloat16 with `bf16` (autocast), else in float32, as the trainer loads it."""
     import torch
     import yaml
-    from datasets import Dataset
 
     import trainers
+    from osprey.prune import prune
     from osprey.zoo import load_causal_lm, load_tokenizer
-    from trainers.pretrain import OspreyPretrainConfig, OspreyPretrainer
 
     recipe = yaml.safe_load((Path(trainers.__file__).parent / "configs" / QWEN_STAGE2_CONFIG).read_text())
     parent = load_causal_lm(QWEN_0_5B, dtype=torch.bfloat16 if bf16 else torch.float32)
-    student = copy.deepcopy(parent).float()
-    student.model.layers = student.model.layers[:2]
-    student.config.num_hidden_layers = 2
-    student.config.layer_types = student.config.layer_types[:2]
-    tokenizer = load_tokenizer(QWEN_0_5B)
     batch_size, seq_len = 2, 1024
     generator = torch.Generator().manual_seed(1)
     rows = torch.randint(0, QWEN_VOCAB, (batch_size * (steps + 1), seq_len), generator=generator).tolist()
-    timer = _StepTimer()
-    with tempfile.TemporaryDirectory() as output_dir:
-        config = timed_config(
-            OspreyPretrainConfig,
-            output_dir,
-            steps,
-            compile,
-            per_device_train_batch_size=batch_size,
-            gradient_accumulation_steps=1,
-            max_length=seq_len,
-            learning_rate=2e-4,
-            bf16=bf16,
-            use_cpu=bf16,  # older trainers need it for bf16 on a CPU
-            dataloader_drop_last=True,
-            **{key: recipe[key] for key in ("distill_weight", "temperature", "freeze_embeddings", "freeze_lm_head")},
-        )
-        trainer = OspreyPretrainer(
-            student,
-            config,
-            train_dataset=Dataset.from_dict({"input_ids": rows}),
-            processing_class=tokenizer,
-            parent_model=parent,
-            callbacks=[timer.callback],
-        )
-        trainer.train()
-    return {**timer.result(batch_size * seq_len), "precision": "bf16 autocast" if config.bf16 else "float32"}
+    return timed_pretraining(
+        prune(parent, 2).float(),
+        load_tokenizer(QWEN_0_5B),
+        rows,
+        steps,
+        compile,
+        batch_size * seq_len,
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=1,
+        max_length=seq_len,
+        learning_rate=2e-4,
+        bf16=bf16,
+        use_cpu=bf16,  # older trainers need it for bf16 on a CPU
+        parent_model=parent,
+        **{key: recipe[key] for key in ("distill_weight", "temperature", "freeze_embeddings", "freeze_lm_head")},
+    )
 
 
 def features_worker(num_sequences: int) -> dict:
