@@ -27,6 +27,12 @@
 # evaluations) are Osprey's learning curve's points at equal budget (benchmarks/replication/qwen_curves.py), and τ of
 # the three drafters is benchmarked after the first 60 steps and after each round on a fixed 25-prompt subset
 # (~3 h of 2 cores to round 2, ~2 h more for round 3; rerun to resume).
+#
+# `qwen_drafter.sh early BACKBONE NAME` asks what another backbone changes at the start of the learning curve: it
+# converts BACKBONE (e.g. a stage-2 checkpoint of stage2_qwen.sh; copy it out of the rotating checkpoints first) for
+# the target exactly as osprey-init was (same draft vocabulary), distils Osprey's round 1 from it (same configs, data,
+# order and seeds: 73 k and 218 k token-passes), and adds the drafter as osprey-NAME to the two committed equal-budget
+# benches of those points, beside the drafters from the pruned backbone (~1 h of one core).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-/work/runs}
@@ -40,7 +46,14 @@ source benchmarks/replication/stages.sh  # log
 mkdir -p "$OUT"
 
 MODE=${1:-drafter}
-case $MODE in drafter|controls) ;; *) echo "usage: $0 [drafter|controls]" >&2; exit 2 ;; esac
+case $MODE in
+  drafter|controls) ;;
+  early)
+    if [ $# -ne 3 ] || [ ! -f "$2/config.json" ]; then
+      echo "usage: $0 early BACKBONE NAME, BACKBONE a model folder (config.json, model.safetensors)" >&2; exit 2
+    fi ;;
+  *) echo "usage: $0 [drafter|controls|early BACKBONE NAME]" >&2; exit 2 ;;
+esac
 if [ "$MODE" = drafter ] && [ "${FROM_SCRATCH:-0}" != 1 ]; then
   [ -d "$OUT/drafter" ] || $OSPREY unpack --drafter "$SHIPPED" --output "$OUT/drafter"
   log "restored $OUT/drafter from $SHIPPED"
@@ -89,7 +102,25 @@ round2() {  # $1: output prefix; Osprey's round 2, from round 1's drafter
 round3() {  # $1: round 2's drafter, $2: output; Osprey's round 3, on all committed answers
   distill benchmarks/replication/distill-qwen-q05b-regen1616.yaml "$1" "$2" "$OUT/features-1616"
 }
+equal_budget() {  # $1: round1-epoch1|round1|round2|round3, then --drafter NAME=DIR...: τ at equal budget on a fixed
+  # 25-prompt subset, one per category of the replication's suites; greedy τ needs no target-alone run. A bench resumes
+  # its results file, so a rerun (or another drafter) only measures what is missing.
+  local stage=$1; shift
+  $OSPREY bench --target $TARGET "$@" --baselines "" --prompts spec_bench --prompts mt_bench \
+    --prompts humaneval --prompts mmath --per-category 1 --max-new-tokens 48 --dtype bfloat16 \
+    --output benchmarks/results/equal-budget-$TARGET-$stage.json
+}
 features "$OUT/features-240" --max-examples 240
+if [ "$MODE" = early ]; then
+  init=$OUT/$3-init
+  [ -d "$init" ] || $OSPREY convert --backbone "$2" --target $TARGET --draft-vocab-size 32000 \
+    --draft-vocab-corpus "$OUT/draft-vocab-corpus.txt" --output "$init"
+  round1 "$init" "$OUT/$3-"
+  equal_budget round1-epoch1 --drafter "osprey-$3=$OUT/$3-round1-epoch1"  # 73 k token-passes
+  equal_budget round1 --drafter "osprey-$3=$OUT/$3-round1"  # 218 k
+  log "benched osprey-$3 after round 1: benchmarks/results/equal-budget-$TARGET-round1{-epoch1,}.json"
+  exit 0
+fi
 features "$OUT/features-816" --max-examples 816  # the first 816: what round 2 saw
 if [ "$MODE" = controls ]; then
   [ -d "$OUT/scratch-init" ] || $OSPREY baseline scratch --like "$OUT/osprey-init" --output "$OUT/scratch-init"
@@ -112,23 +143,18 @@ if [ "$MODE" = controls ]; then
   controls round1
   round1 "$OUT/osprey-init" "$OUT/"  # Osprey's own round 1 (the machine that distilled the shipped drafter kept only
   # its end: its 60-step point was distilled again, in session 12, by this line)
-  equal_budget() {  # $1: round1-epoch1|round1|round2|round3, $2: Osprey's drafter then. τ at equal budget on a fixed
-    # 25-prompt subset, one per category of the replication's suites; greedy τ needs no target-alone run. A bench
-    # resumes its results file, so a rerun only measures what is missing.
-    $OSPREY bench --target $TARGET --drafter osprey="$2" --drafter scratch="$OUT/scratch-$1" \
-      --drafter eagle3="$OUT/eagle3-$1" --baselines "" --prompts spec_bench --prompts mt_bench \
-      --prompts humaneval --prompts mmath --per-category 1 --max-new-tokens 48 --dtype bfloat16 \
-      --output benchmarks/results/equal-budget-$TARGET-$1.json
+  three() {  # $1: round1-epoch1|round1|round2|round3, $2: Osprey's drafter then, benched beside the controls'
+    equal_budget "$1" --drafter osprey="$2" --drafter scratch="$OUT/scratch-$1" --drafter eagle3="$OUT/eagle3-$1"
   }
-  equal_budget round1-epoch1 "$OUT/round1-epoch1"  # 73 k token-passes
-  equal_budget round1 "$OUT/round1"  # 218 k
+  three round1-epoch1 "$OUT/round1-epoch1"  # 73 k token-passes
+  three round1 "$OUT/round1"  # 218 k
   controls round2
-  equal_budget round2 "$OUT/round2"  # 731 k
+  three round2 "$OUT/round2"  # 731 k
   features "$OUT/features-1616" --max-examples 1616
   controls round3
   # 1.55 M: Osprey's round 3 is the drafter as distilled, before packing (on a fresh machine, FROM_SCRATCH=1 redoes it;
   # the restored, packed one differs by its int4 deltas)
-  equal_budget round3 "$OUT/drafter"
+  three round3 "$OUT/drafter"
   log "controls distilled and benchmarked: $OUT/{scratch,eagle3}-round3"
   exit 0
 fi
