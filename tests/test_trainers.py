@@ -842,6 +842,41 @@ def test_pretraining_resumes_exactly(tmp_path):
         torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)
 
 
+def test_sigterm_saves_the_running_step_and_stops_without_a_final_model(tmp_path):
+    """`timeout` ends a chunk of a long run with SIGTERM: the step in flight is finished and checkpointed, and no
+    final model is written that would pass for a finished run; a run that is not signalled ends as before."""
+    import signal
+
+    from trainers.devices import train_and_save
+
+    class Terminate(__import__("transformers").TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def make_trainer(output_dir):
+        model = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2).train()
+        config = pretrain_config(tmp_path, output_dir=str(output_dir), max_steps=5, save_strategy="no")
+        return OspreyPretrainer(model, config, train_dataset=text_dataset(), processing_class=char_tokenizer())
+
+    handler = signal.getsignal(signal.SIGTERM)
+    signalled = make_trainer(tmp_path / "signalled")
+    signalled.add_callback(Terminate())
+    assert train_and_save(signalled, None) == 128 + signal.SIGTERM
+    assert signalled.state.global_step == 2
+    assert sorted(path.name for path in (tmp_path / "signalled").iterdir() if path.name.startswith("checkpoint-")) == [
+        "checkpoint-2"
+    ]
+    assert not (tmp_path / "signalled" / "model.safetensors").exists()
+    assert signal.getsignal(signal.SIGTERM) == handler  # a second SIGTERM ends the process as usual
+
+    plain = make_trainer(tmp_path / "plain")
+    assert train_and_save(plain, None) == 0
+    assert plain.state.global_step == 5
+    assert (tmp_path / "plain" / "model.safetensors").is_file()
+    assert signal.getsignal(signal.SIGTERM) == handler
+
+
 def test_distillation_resumes_exactly(tmp_path):
     target = make_tiny_target("llama")
 

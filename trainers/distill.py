@@ -29,6 +29,7 @@ from .devices import (
     set_cpu_memory_policy,
     set_device_defaults,
     states_in_parameter_layout,
+    train_and_save,
     unwrap,
 )
 from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset, greedy_tokens
@@ -405,8 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer = OspreyDistillTrainer(
         drafter, config, train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=tokenizer
     )
-    trainer.train(resume_from_checkpoint=resume_argument(config.resume_from_checkpoint))
-    trainer.save_model(config.output_dir)
+    status = train_and_save(trainer, resume_argument(config.resume_from_checkpoint))
+    if status:
+        return status
     trainer.save_state()  # trainer_state.json: the training budget, for the model card
     report = Path(script_args.drafter) / "alignment_report.json"
     if report.is_file():

@@ -18,7 +18,13 @@ from trl import SFTConfig, SFTTrainer, TrlParser
 from osprey.zoo import load_causal_lm, load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
-from .devices import compile_with_dynamic_shapes, loss_autocast, set_cpu_memory_policy, set_device_defaults
+from .devices import (
+    compile_with_dynamic_shapes,
+    loss_autocast,
+    set_cpu_memory_policy,
+    set_device_defaults,
+    train_and_save,
+)
 from .losses import soft_cross_entropy, target_distribution_and_entropy, token_cross_entropy
 
 
@@ -201,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_dataset=eval_dataset if config.eval_strategy != "no" else None,
         processing_class=tokenizer,
     )
-    trainer.train(resume_from_checkpoint=resume_argument(config.resume_from_checkpoint))
-    trainer.save_model(config.output_dir)
-    return 0
+    return train_and_save(trainer, resume_argument(config.resume_from_checkpoint))
 
 
 def resume_argument(value: str | None) -> str | bool | None:

@@ -11,6 +11,8 @@
 #   NUM_LAYERS=2 MAX_CHUNKS=1 CHUNK_MINUTES=10 benchmarks/replication/stage2_qwen.sh --max-steps 4 --save-steps 2
 #
 # One invocation runs at most MAX_CHUNKS chunks (no process here may live 3 hours): rerun it until it prints "done".
+# When a chunk's time is up, `timeout` sends SIGTERM: `osprey pretrain` finishes the running update, checkpoints it and
+# stops (a few minutes past CHUNK_MINUTES), so no paid-for update is lost; one still running 10 minutes later is killed.
 # Arguments are passed on to `osprey pretrain` (TrlParser flags overriding the config).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -83,9 +85,9 @@ for chunk in $(seq "$MAX_CHUNKS"); do
   [ -n "$(latest_checkpoint)" ] && resume=(--resume-from-checkpoint true)
   log "chunk $chunk/$MAX_CHUNKS: osprey pretrain for at most $CHUNK_MINUTES min -> $OUT.log"
   rc=0
-  timeout "${CHUNK_MINUTES}m" $OSPREY pretrain --config "$CONFIG" --backbone "$INIT" --output "$OUT" \
+  timeout --kill-after=10m "${CHUNK_MINUTES}m" $OSPREY pretrain --config "$CONFIG" --backbone "$INIT" --output "$OUT" \
     "${resume[@]}" "$@" >> "$OUT.log" 2>&1 || rc=$?
-  if [ $rc -ne 0 ] && [ $rc -ne 124 ]; then log "osprey pretrain failed (exit $rc): see $OUT.log"; exit 1; fi
+  if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 143 ]; then log "osprey pretrain failed (exit $rc): see $OUT.log"; exit 1; fi
   checkpoint=$(latest_checkpoint)
   if [ -n "$checkpoint" ] && { [ ! -f "$PACKED/checkpoint/trainer_state.json" ] \
        || [ "$(step_of "$checkpoint")" != "$(step_of "$PACKED/checkpoint")" ]; }; then
