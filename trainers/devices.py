@@ -182,7 +182,7 @@ class StopOnTerminate(TrainerCallback):
 
     def _handle(self, signum, frame):
         self.received = True
-        signal.signal(signal.SIGTERM, self._previous)
+        signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)  # None: a handler not set from Python
 
     def on_train_begin(self, args, state, control, **kwargs):
         if threading.current_thread() is threading.main_thread():  # Python handles signals in the main thread only

@@ -87,13 +87,14 @@ for chunk in $(seq "$MAX_CHUNKS"); do
   rc=0
   timeout --kill-after=10m "${CHUNK_MINUTES}m" $OSPREY pretrain --config "$CONFIG" --backbone "$INIT" --output "$OUT" \
     "${resume[@]}" "$@" >> "$OUT.log" 2>&1 || rc=$?
-  if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 143 ]; then log "osprey pretrain failed (exit $rc): see $OUT.log"; exit 1; fi
   checkpoint=$(latest_checkpoint)
   if [ -n "$checkpoint" ] && { [ ! -f "$PACKED/checkpoint/trainer_state.json" ] \
        || [ "$(step_of "$checkpoint")" != "$(step_of "$PACKED/checkpoint")" ]; }; then
     log "pack $checkpoint -> $PACKED/checkpoint"
     pack_into "$checkpoint" "$PACKED/checkpoint" "checkpoint at step $(step_of "$checkpoint")"
   fi
+  # after the pack: a run killed or failed after a save keeps that checkpoint
+  if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 143 ]; then log "osprey pretrain failed (exit $rc): see $OUT.log"; exit 1; fi
   if [ $rc -eq 0 ]; then  # training finished: the final model (no optimizer) is the stage's product
     log "pack the finished backbone -> $PACKED/final"
     pack_into "$OUT" "$PACKED/final" "final backbone"
