@@ -877,6 +877,35 @@ def test_sigterm_saves_the_running_step_and_stops_without_a_final_model(tmp_path
     assert signal.getsignal(signal.SIGTERM) == handler
 
 
+def test_a_resumed_run_evaluates_and_saves_on_its_own_schedule(tmp_path):
+    """A run resumed with other `eval_steps` and `save_steps` than its checkpoint's follows the new ones (the
+    `Trainer` alone keeps the checkpoint's: stage 2 evaluated for 27 minutes at a step its config had dropped)."""
+    from trainers.devices import train_and_save
+
+    def run(max_steps, every, resume):
+        model = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2).train()
+        config = pretrain_config(
+            tmp_path,
+            output_dir=str(tmp_path / "run"),
+            max_steps=max_steps,
+            eval_strategy="steps",
+            eval_steps=every,
+            save_strategy="steps",
+            save_steps=every,
+            save_total_limit=None,
+        )
+        trainer = OspreyPretrainer(
+            model, config, train_dataset=text_dataset(), eval_dataset=text_dataset(4), processing_class=char_tokenizer()
+        )
+        assert train_and_save(trainer, resume) == 0
+        return trainer
+
+    run(max_steps=2, every=2, resume=None)
+    resumed = run(max_steps=6, every=3, resume=str(tmp_path / "run" / "checkpoint-2"))
+    assert [entry["step"] for entry in resumed.state.log_history if "eval_loss" in entry] == [2, 3, 6]
+    assert sorted(int(path.name.split("-")[1]) for path in (tmp_path / "run").glob("checkpoint-*")) == [2, 3, 6]
+
+
 def test_distillation_resumes_exactly(tmp_path):
     target = make_tiny_target("llama")
 

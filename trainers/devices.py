@@ -198,11 +198,25 @@ class StopOnTerminate(TrainerCallback):
             signal.signal(signal.SIGTERM, self._previous)
 
 
+class ScheduleFromArguments(TrainerCallback):
+    """Logs, evaluates and saves on this run's `logging_steps`, `eval_steps` and `save_steps`, also when it resumes.
+
+    A resumed `Trainer` takes these three from the checkpoint's `trainer_state.json` and only warns that they differ
+    from the arguments. Stage 2 of the Qwen backbone was started with `eval_steps: 200` and resumed with 600 (its
+    654-document evaluation took 27 minutes of a 40-minute chunk): each resume still evaluated at step 400, and in
+    session 20 that evaluation ran past the chunk's end, so its SIGTERM stop could not save and the chunk was lost."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        state.compute_steps(args, state.max_steps)
+
+
 def train_and_save(trainer: Trainer, resume_from_checkpoint: str | bool | None) -> int:
-    """Trains, then saves the model to `output_dir` and returns 0; both stages' scripts end with it. Stopped by
-    SIGTERM (`StopOnTerminate`), it saves only the step's checkpoint, not a final model that would pass for a
-    finished run, and returns 143 (128 + SIGTERM): resume with `--resume-from-checkpoint true`."""
+    """Trains, then saves the model to `output_dir` and returns 0; both stages' scripts end with it. A resumed run
+    keeps this run's logging, evaluation and save steps (`ScheduleFromArguments`). Stopped by SIGTERM
+    (`StopOnTerminate`), it saves only the step's checkpoint, not a final model that would pass for a finished run,
+    and returns 143 (128 + SIGTERM): resume with `--resume-from-checkpoint true`."""
     stop = StopOnTerminate()
+    trainer.add_callback(ScheduleFromArguments())
     trainer.add_callback(stop)
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     if stop.received:
