@@ -496,7 +496,7 @@ def test_cpu_trainers_give_the_freed_heap_back(tmp_path):
 
 
 PAGE_FAULTS_OF_STEPS = """
-import ctypes, resource, sys, torch
+import resource, sys, torch
 from trainers.devices import M_TRIM_THRESHOLD, _glibc, keep_freed_heap
 mode, numel, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 if mode != "default":

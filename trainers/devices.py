@@ -123,7 +123,7 @@ def keep_freed_heap() -> bool:
     libc.mallopt(M_MMAP_MAX, 0)
     # -1 turns automatic trimming off: the largest positive value, 2 GiB - 1, still gave back the heap's free top
     # whenever a step freed more than that, and the next micro-batch faulted it in again (stage 2 of the Qwen
-    # backbone: ~3 GB at a time, 30% of the process's time in the kernel, 1.4x slower updates; docs/training.md)
+    # backbone: ~3 GB at a time, 31% of the process's time in the kernel, 1.5x slower updates; docs/training.md)
     libc.mallopt(M_TRIM_THRESHOLD, -1)
     return True
 
