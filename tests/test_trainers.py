@@ -497,12 +497,10 @@ def test_cpu_trainers_give_the_freed_heap_back(tmp_path):
 
 PAGE_FAULTS_OF_STEPS = """
 import resource, sys, torch
-from trainers.devices import M_TRIM_THRESHOLD, _glibc, keep_freed_heap
+from trainers.devices import keep_freed_heap
 mode, numel, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 if mode != "default":
     assert keep_freed_heap()
-if mode == "trim-above-2gib":  # the largest positive threshold, what keep_freed_heap set before
-    _glibc().mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
 weight = torch.ones(numel)
 def step():  # two tensors of weight's size made and freed
     return (weight * 2 + weight).sum()
@@ -534,17 +532,6 @@ def test_the_kept_heap_reuses_freed_tensors_without_page_faults():
     faults = {mode: page_faults_of_steps(mode, numel=2**24, steps=8) for mode in ("keep", "default")}  # 64 MiB
     assert faults["default"] >= 8 * 2 * 16384, faults
     assert faults["keep"] < faults["default"] / 2, faults
-
-
-@pytest.mark.skipif(_glibc() is None, reason="needs glibc's mallopt and Linux /proc")
-def test_the_kept_heap_is_not_trimmed_when_a_step_frees_more_than_2_gib():
-    """A step that frees more than 2 GiB at the heap's top (stage 2 of the Qwen backbone freed ~3 GB) keeps it: with
-    the largest positive trim threshold (the control) glibc gives it back and each step faults it in again."""
-    numel = 5 * 2**26  # 1.25 GiB of float32: the step's two temporaries free 2.5 GiB
-    faults = {mode: page_faults_of_steps(mode, numel, steps=2) for mode in ("keep", "trim-above-2gib")}
-    pages = numel * 4 // 4096
-    assert faults["trim-above-2gib"] >= 2 * pages, faults
-    assert faults["keep"] < pages / 4, faults
 
 
 def record_logit_dtypes(monkeypatch, module, name: str, dtype_of=lambda logits: logits.dtype) -> list[torch.dtype]:
