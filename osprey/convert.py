@@ -31,6 +31,7 @@ from modeling_osprey.target_features import default_target_layer_ids, validate_t
 
 from . import zoo
 from .ground import copy_notices, require_empty_output_dir
+from .pack import load_drafter
 from .presets import AUTO, PRESET_CHOICES, TargetPreset, end_of_turn_token_ids, merged_eos_token_ids, resolve_preset
 from .vocab_alignment import align_vocabularies, select_draft_vocab
 
@@ -158,6 +159,7 @@ def convert(
     target_tokenizer: PreTrainedTokenizerBase | None = None,
     output_dir: str | os.PathLike | None = None,
     preset: str | None = AUTO,
+    draft_vocab_from: str | os.PathLike | None = None,
 ) -> tuple[OspreyForDrafting, dict]:
     """Converts a (pruned) backbone into a drafter for `target`; returns it with the conversion report.
 
@@ -166,10 +168,26 @@ def convert(
     the most frequent target tokens of the `corpus` text files. With `output_dir` (new or empty), the drafter is saved
     there with the target's tokenizer, `alignment_report.json` and a generation config drafting 5 tokens per step.
     `preset` (`osprey.presets`: a name, `"auto"` or `"none"`) supplies the taps when `target_layer_ids` is None and
-    adds a seed target's end-of-turn tokens to the generation config's eos ids.
+    adds a seed target's end-of-turn tokens to the generation config's eos ids. `draft_vocab_from` (a drafter for
+    the same target, anything `load_drafter` accepts) gives the drafter exactly that drafter's draft vocabulary
+    instead of counting a corpus: to compare backbones, or to rebuild a drafter whose corpus cannot be rebuilt.
     """
     output_dir = None if output_dir is None else require_empty_output_dir(output_dir)
     target_config, target_tokenizer, target_dir = _load_target(target, target_tokenizer)
+    taken_vocab = None
+    if draft_vocab_from is not None:
+        if corpus:
+            raise ValueError(
+                "Pass either draft-vocabulary corpus files (--draft-vocab-corpus) or a drafter whose draft vocabulary "
+                "to take (--draft-vocab-from), not both."
+            )
+        taken_vocab = draft_vocabulary_of(draft_vocab_from, target_config.vocab_size)
+        if draft_vocab_size not in (None, len(taken_vocab)):
+            raise ValueError(
+                f"{draft_vocab_from} predicts {len(taken_vocab)} target tokens, not the {draft_vocab_size} asked for: "
+                "drop --draft-vocab-size (it is taken from that drafter)."
+            )
+        draft_vocab_size = len(taken_vocab)
     target_preset = resolve_preset(target_config, preset)
     if isinstance(backbone, PreTrainedModel):
         if backbone_tokenizer is None:
@@ -188,7 +206,9 @@ def convert(
         backbone = zoo.load_causal_lm(backbone_dir)
     alignment = align_vocabularies(backbone_tokenizer, target_tokenizer, config.vocab_size)
     draft_vocab = None
-    if config.draft_vocab_size == config.vocab_size:
+    if taken_vocab is not None:
+        draft_to_target, draft_vocab = taken_vocab, {"size": len(taken_vocab), "from": os.fspath(draft_vocab_from)}
+    elif config.draft_vocab_size == config.vocab_size:
         draft_to_target = torch.arange(config.vocab_size)
     else:
         draft_to_target, draft_vocab = select_draft_vocab(
@@ -226,6 +246,18 @@ def convert(
             if directory is not None:
                 copy_notices(directory, output_dir)
     return drafter, report
+
+
+def draft_vocabulary_of(drafter: str | os.PathLike, vocab_size: int) -> torch.LongTensor:
+    """The ascending target ids that `drafter` (anything `load_drafter` accepts) predicts; it must have been
+    converted for a target with `vocab_size` rows."""
+    model = load_drafter(drafter)
+    if model.config.vocab_size != vocab_size:
+        raise ValueError(
+            f"{drafter} was converted for a target with {model.config.vocab_size} vocabulary rows, this target has "
+            f"{vocab_size}: take the draft vocabulary from a drafter for the same target (or its tokenizer)."
+        )
+    return model.draft_to_target.clone()
 
 
 def _load_target(target, tokenizer) -> tuple[PreTrainedConfig, PreTrainedTokenizerBase, str | None]:
@@ -281,6 +313,12 @@ def add_subcommand(subparsers) -> None:
     )
     parser.add_argument("--draft-vocab-size", type=int, help="predict only the K most frequent target tokens")
     parser.add_argument("--draft-vocab-corpus", nargs="+", metavar="FILE", help="text file(s) to count tokens on")
+    parser.add_argument(
+        "--draft-vocab-from",
+        metavar="DRAFTER",
+        help="take the draft vocabulary of this drafter for the same target (directory, packed directory or Hub id) "
+        "instead of counting a corpus",
+    )
     parser.set_defaults(run=_run_convert)
 
 
@@ -293,12 +331,16 @@ def _run_convert(args) -> int:
         corpus=args.draft_vocab_corpus,
         output_dir=args.output,
         preset=args.preset,
+        draft_vocab_from=args.draft_vocab_from,
     )
     alignment = report["alignment"]
     print(f"target rows: {alignment['target_rows']}; " + ", ".join(f"{k} {v}" for k, v in alignment["counts"].items()))
     print("special tokens:", ", ".join(f"{t} -> {s}" for t, s in alignment["special_tokens"].items()))
-    if report["draft_vocab"]:
-        size, coverage = report["draft_vocab"]["size"], report["draft_vocab"]["corpus_coverage"]
+    draft_vocab = report["draft_vocab"] or {}
+    if "from" in draft_vocab:
+        print(f"draft vocabulary: the {draft_vocab['size']} tokens of {draft_vocab['from']}")
+    elif draft_vocab:
+        size, coverage = draft_vocab["size"], draft_vocab["corpus_coverage"]
         print(f"draft vocabulary: {size} tokens cover {coverage:.2%} of the corpus")
     print(f"target preset: {report['preset'] or 'none'}; taps {report['target_layer_ids']}")
     print(f"saved the drafter to {args.output} (report: alignment_report.json)")

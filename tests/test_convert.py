@@ -24,6 +24,7 @@ from transformers import (
 from osprey import OspreyForDrafting, zoo
 from osprey import convert as convert_module
 from osprey.convert import convert
+from osprey.pack import load_drafter, pack_drafter
 from osprey.prune import prune
 from osprey.vocab_alignment import align_vocabularies
 
@@ -213,6 +214,43 @@ def test_cli_converts_with_taps_and_a_reduced_vocabulary(tmp_path, capsys):
     assert config["target_layer_ids"] == [2, 5, 6] and config["draft_vocab_size"] == 16
     with pytest.raises(SystemExit):
         _cli(arguments + ["--target-layers", "1,x"])
+
+
+def test_the_draft_vocabulary_can_be_taken_from_another_drafter(tmp_path, capsys):
+    """A second backbone converted with `--draft-vocab-from` predicts exactly the first drafter's target tokens, also
+    from its packed form, whatever another corpus would count; bad combinations are refused."""
+    backbone_dir, target_dir = _save_backbone_and_target(tmp_path, family="llama")
+    (tmp_path / "corpus.txt").write_text(" hello world\n" * 3)
+    (tmp_path / "other.txt").write_text(" the cat sat on a mat, said the dog\n" * 3)
+    arguments = ["--backbone", str(backbone_dir), "--target", str(target_dir)]
+    corpus_flags = ["--draft-vocab-size", "16", "--draft-vocab-corpus", str(tmp_path / "corpus.txt")]
+    assert _cli([*arguments, "--output", str(tmp_path / "first"), *corpus_flags]) == 0
+    pack_drafter(tmp_path / "first", tmp_path / "first-packed")
+    first = load_drafter(tmp_path / "first").draft_to_target
+    other_corpus = ["--draft-vocab-size", "16", "--draft-vocab-corpus", str(tmp_path / "other.txt")]
+    assert _cli([*arguments, "--output", str(tmp_path / "counted"), *other_corpus]) == 0
+    assert not torch.equal(load_drafter(tmp_path / "counted").draft_to_target, first)  # the control: it differs
+    second_backbone = tmp_path / "second-backbone"
+    tiny_backbone("qwen3", len(byte_level_tokenizer())).save_pretrained(second_backbone)
+    byte_level_tokenizer().save_pretrained(second_backbone)
+    for source in ("first", "first-packed"):
+        output = tmp_path / f"from-{source}"
+        flags = ["--backbone", str(second_backbone), "--target", str(target_dir), "--output", str(output)]
+        assert _cli([*flags, "--draft-vocab-from", str(tmp_path / source)]) == 0
+        drafter = load_drafter(output)
+        assert torch.equal(drafter.draft_to_target, first) and drafter.config.draft_vocab_size == 16
+        report = json.loads((output / "alignment_report.json").read_text())
+        assert report["draft_vocab"] == {"size": 16, "from": str(tmp_path / source)}
+    assert "the 16 tokens of" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="not both"):
+        convert(backbone_dir, target_dir, corpus=[tmp_path / "other.txt"], draft_vocab_from=tmp_path / "first")
+    with pytest.raises(ValueError, match="not the 8 asked for"):
+        convert(backbone_dir, target_dir, draft_vocab_size=8, draft_vocab_from=tmp_path / "first")
+    other_target = tmp_path / "other-target"
+    tiny_target_config(extra_rows=7).save_pretrained(other_target)
+    metaspace_tokenizer().save_pretrained(other_target)
+    with pytest.raises(ValueError, match="for the same target"):
+        convert(backbone_dir, other_target, draft_vocab_from=tmp_path / "first")
 
 
 # --- errors users hit ----------------------------------------------------------------------------------------------

@@ -7,16 +7,18 @@
 #
 #   1. prune: Qwen2.5-Coder-0.5B-Instruct's first 2 blocks (no stage 2: at 13 tokens/s with its parent as teacher
 #      the CPU could not afford it then; since session 16 it runs at ~127 tokens/s, see stage2_qwen.sh);
-#   2. convert for the 1.5B target, 32k draft vocabulary counted on target answers, ShareGPT and multilingual text;
+#   2. convert for the 1.5B target with the shipped drafter's 32k draft vocabulary (--draft-vocab-from), which was
+#      counted on target answers, ShareGPT and multilingual text;
 #   3. round 1: features of 240 regenerated conversations, 60 + 120 distillation steps (distill-qwen-q05b-*.yaml);
 #   4. round 2: features of the first 816 regenerated conversations, 500 more steps (distill-qwen-q05b-regen816.yaml);
 #   5. round 3: features of all 1,616, 800 more steps (distill-qwen-q05b-regen1616.yaml);
 #   6. pack against the zoo backbone.
 #
 # The regenerated answers are restored from benchmarks/checkpoints/regenerated-sharegpt-qwen2.5-coder-1.5b-instruct.
-# Each stage is skipped when its product exists, so a killed run resumes. The draft-vocabulary corpus is rebuilt from
-# the same three sources; the committed drafter's was assembled by hand from them (alignment_report.json: 9.9 M
-# tokens, 96.4% coverage), so a rebuilt vocabulary can differ in its rarest rows.
+# Each stage is skipped when its product exists, so a killed run resumes. The draft vocabulary is taken from the
+# shipped drafter, not counted again: its corpus was assembled by hand from those three sources (alignment_report.json:
+# 9.9 M tokens, 96.4% coverage), and a scripted rebuild of them (8.6 M tokens) chose 6,454 of the 32,000 tokens
+# differently, so every drafter of the curves predicts the same tokens on any machine.
 #
 #   nohup benchmarks/replication/qwen_drafter.sh > /work/runs/qwen-drafter.log 2>&1 &
 #
@@ -65,21 +67,8 @@ for file in benchmarks/checkpoints/regenerated-sharegpt-$TARGET/*.jsonl.gz; do
   [ -s "$REGEN/$(basename "$file" .gz)" ] || gunzip -c "$file" > "$REGEN/$(basename "$file" .gz)"
 done
 [ -d "$OUT/backbone" ] || $OSPREY prune --backbone $BACKBONE_PARENT --num-layers 2 --output "$OUT/backbone"
-if [ ! -s "$OUT/draft-vocab-corpus.txt" ]; then  # target answers, ShareGPT conversations, multilingual chunks
-  $OSPREY data sharegpt >/dev/null && $OSPREY data multilingual --tokenizer $BACKBONE_PARENT >/dev/null
-  .venv/bin/python - "$REGEN/train.jsonl" "$OUT/draft-vocab-corpus.txt" <<'PY'
-import json, sys
-import pandas as pd
-from osprey.ground import cache_root
-lines = [m["content"] for line in open(sys.argv[1]) for m in json.loads(line)["messages"]]
-sharegpt = pd.read_parquet(cache_root() / "data" / "sharegpt" / "train.parquet").head(6000)
-lines += [m["content"] for conversation in sharegpt["messages"] for m in conversation]
-lines += list(pd.read_parquet(cache_root() / "data" / "multilingual" / "train.parquet").head(4000)["text"])
-open(sys.argv[2], "w").write("\n".join(line.replace("\n", " ") for line in lines) + "\n")
-PY
-fi
-[ -d "$OUT/osprey-init" ] || $OSPREY convert --backbone "$OUT/backbone" --target $TARGET --draft-vocab-size 32000 \
-  --draft-vocab-corpus "$OUT/draft-vocab-corpus.txt" --output "$OUT/osprey-init"
+[ -d "$OUT/osprey-init" ] || $OSPREY convert --backbone "$OUT/backbone" --target $TARGET \
+  --draft-vocab-from $SHIPPED --output "$OUT/osprey-init"
 features() {  # $1: output folder, then extra flags
   local output=$1; shift
   [ -f "$output/feature_cache.json" ] || $OSPREY features --target $TARGET --dataset-name "$REGEN" --max-length 640 \
@@ -113,8 +102,7 @@ equal_budget() {  # $1: round1-epoch1|round1|round2|round3, then --drafter NAME=
 features "$OUT/features-240" --max-examples 240
 if [ "$MODE" = early ]; then
   init=$OUT/$3-init
-  [ -d "$init" ] || $OSPREY convert --backbone "$2" --target $TARGET --draft-vocab-size 32000 \
-    --draft-vocab-corpus "$OUT/draft-vocab-corpus.txt" --output "$init"
+  [ -d "$init" ] || $OSPREY convert --backbone "$2" --target $TARGET --draft-vocab-from $SHIPPED --output "$init"
   round1 "$init" "$OUT/$3-"
   equal_budget round1-epoch1 --drafter "osprey-$3=$OUT/$3-round1-epoch1"  # 73 k token-passes
   equal_budget round1 --drafter "osprey-$3=$OUT/$3-round1"  # 218 k
