@@ -5,7 +5,8 @@
 # checkpoint is packed into $PACKED/checkpoint (`osprey pack --reference` the parent: the blocks as int8 deltas, the
 # frozen embedding, LM head and tokenizer as sha256-checked references to the zoo model), and with COMMIT=1 committed.
 # On a machine without the runs folder, the committed pack is unpacked and training resumes from it (same step and
-# learning-rate schedule; Adam's moments restart). The finished backbone is packed into $PACKED/final.
+# learning-rate schedule; Adam's moments restart). The finished backbone is packed into $PACKED/final with its training
+# record (the last checkpoint's trainer_state.json), and the resume pack, now superseded, is removed.
 #
 #   nohup benchmarks/replication/stage2_qwen.sh > /work/runs/stage2-qwen.log 2>&1 &
 #   NUM_LAYERS=2 MAX_CHUNKS=1 CHUNK_MINUTES=10 benchmarks/replication/stage2_qwen.sh --max-steps 4 --save-steps 2
@@ -31,6 +32,7 @@ PACKED=${PACKED:-benchmarks/checkpoints/$NAME}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 source benchmarks/replication/stages.sh  # log
 mkdir -p "$OUT" "$PACKED"
+if [ -f "$PACKED/final/osprey_pack.json" ]; then log "done: $PACKED/final"; exit 0; fi
 
 # 1. The corpus; a rebuild is compared with the committed manifest (packages that moved on are reported).
 lock=()
@@ -80,7 +82,6 @@ fi
 
 # 4. Chunks of training, each followed by a pack of its latest checkpoint.
 for chunk in $(seq "$MAX_CHUNKS"); do
-  if [ -f "$PACKED/final/osprey_pack.json" ]; then log "done: $PACKED/final"; exit 0; fi
   resume=()
   [ -n "$(latest_checkpoint)" ] && resume=(--resume-from-checkpoint true)
   log "chunk $chunk/$MAX_CHUNKS: osprey pretrain for at most $CHUNK_MINUTES min -> $OUT.log"
@@ -88,7 +89,8 @@ for chunk in $(seq "$MAX_CHUNKS"); do
   timeout --kill-after=10m "${CHUNK_MINUTES}m" $OSPREY pretrain --config "$CONFIG" --backbone "$INIT" --output "$OUT" \
     "${resume[@]}" "$@" >> "$OUT.log" 2>&1 || rc=$?
   checkpoint=$(latest_checkpoint)
-  if [ -n "$checkpoint" ] && { [ ! -f "$PACKED/checkpoint/trainer_state.json" ] \
+  # a resume point, unless training finished (then the final backbone below supersedes it)
+  if [ $rc -ne 0 ] && [ -n "$checkpoint" ] && { [ ! -f "$PACKED/checkpoint/trainer_state.json" ] \
        || [ "$(step_of "$checkpoint")" != "$(step_of "$PACKED/checkpoint")" ]; }; then
     log "pack $checkpoint -> $PACKED/checkpoint"
     pack_into "$checkpoint" "$PACKED/checkpoint" "checkpoint at step $(step_of "$checkpoint")"
@@ -97,6 +99,9 @@ for chunk in $(seq "$MAX_CHUNKS"); do
   if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 143 ]; then log "osprey pretrain failed (exit $rc): see $OUT.log"; exit 1; fi
   if [ $rc -eq 0 ]; then  # training finished: the final model (no optimizer) is the stage's product
     log "pack the finished backbone -> $PACKED/final"
+    # the training record (losses per step) travels with the backbone
+    [ -n "$checkpoint" ] && cp "$checkpoint/trainer_state.json" "$OUT/"
+    rm -rf "$PACKED/checkpoint"
     pack_into "$OUT" "$PACKED/final" "final backbone"
     log "done: $PACKED/final"
     exit 0
