@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 from transformers.generation import (
     GenerateDecoderOnlyOutput,
     GenerationMixin,
@@ -29,7 +29,16 @@ from transformers.generation import (
     StoppingCriteriaList,
 )
 
-from .generation_osprey import DraftState, DraftTree, add_branch, crop_cache, draft_chain, draft_tree, prompt_lookup
+from .generation_osprey import (
+    DraftState,
+    DraftTree,
+    add_branch,
+    check_rollback,
+    crop_cache,
+    draft_chain,
+    draft_tree,
+    prompt_lookup,
+)
 from .target_features import TargetFeatureCapture
 
 # Trees on a CPU: its verification forward is compute-bound (SmolLM2-135M on a shared 2-core machine: 53 ms for 1
@@ -141,13 +150,10 @@ def decode(
     eos_ids = None if eos_token_id is None else torch.tensor(eos_token_id, device=input_ids.device).view(-1)
     with TargetFeatureCapture(target, drafter.config.target_layer_ids) as capture:
         cache = DynamicCache(config=target.config)
+        check_rollback(target, cache)
         cache.activate_past_recording()  # sliding-window layers must keep what they slide out, to roll back
         logits = target(input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:]
-        if not cache.is_croppable:
-            raise ValueError(
-                f"{type(target).__name__}'s cache keeps recurrent (or quantized) state that cannot be rolled back "
-                "after rejected drafts, so it cannot be verified speculatively. Use a target with attention KV caches."
-            )
+        check_rollback(target, cache)  # layers that a cache creates at its first forward
         first = _target_tokens(logits.float(), input_ids, processors, do_sample, generator)
         first, stop = _apply_stopping_criteria(stopping_criteria, input_ids, first)
         sequence, features, new_tokens = torch.cat([input_ids, first], dim=-1), capture.features, 1
@@ -305,12 +311,7 @@ def tree_attention_mask(target, cache: DynamicCache, tree: DraftTree, dtype: tor
     for node in range(tree.num_nodes):
         is_ancestor[node + 1, [ancestor + 1 for ancestor in tree.path(node)]] = True
     masks = {}
-    for layer_idx, layer in enumerate(cache.layers):
-        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
-            raise ValueError(
-                f"Draft trees need attention KV caches (DynamicLayer, DynamicSlidingWindowLayer); "
-                f"{type(target).__name__} layer {layer_idx} caches with {type(layer).__name__}. Use draft_topk=1."
-            )
+    for layer in cache.layers:  # attention KV layers only (`check_rollback`)
         window = layer.sliding_window if layer.is_sliding else None
         if window in masks:
             continue

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, LogitsProcessorList
 
 from .target_features import TargetFeatureCapture
@@ -375,6 +375,21 @@ def _continue_chain(
     return torch.cat(draft_ids, dim=-1), torch.stack(draft_scores, dim=1)
 
 
+def check_rollback(target, cache: DynamicCache | None = None) -> None:
+    """Raises unless every layer of the target's cache (`cache`, default a new one for its config) is an attention
+    KV cache (full or sliding window), the only kind that rejected draft tokens and tree branches can be cut from.
+    Recurrent (linear-attention) and quantized states are refused, whatever transformers' `is_croppable` says: its
+    5.25 rollback of recurrent states does not reproduce plain greedy decoding."""
+    cache = cache if cache is not None else DynamicCache(config=target.config)
+    for layer_idx, layer in enumerate(cache.layers):
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            raise ValueError(
+                f"{type(target).__name__}'s cache layer {layer_idx} is a {type(layer).__name__}: it keeps recurrent "
+                "(or quantized) state that cannot be rolled back after rejected drafts, so it cannot be verified "
+                "speculatively. Use a target whose layers all cache attention keys and values."
+            )
+
+
 def crop_cache(cache: DynamicCache, length: int) -> None:
     """Keeps the first `length` positions (in transformers 5.24 `crop(-n)` removes the last n)."""
     excess = cache.get_seq_length() - length
@@ -393,6 +408,7 @@ class OspreyAssistantMixin:
         Replaces any previously attached target. Raises unless the drafter fits it (`OspreyConfig.check_target`).
         """
         self.config.check_target(target)
+        check_rollback(target)  # transformers 5.25 verifies stateful targets, but not exactly: refused, as in 5.24
         capture = TargetFeatureCapture(target, self.config.target_layer_ids)  # validates the taps first
         self.detach_target()
         self._target_capture = capture
