@@ -20,10 +20,12 @@ tensor of a checkpoint in the cheapest exact-enough form:
   (two per byte, error 1/28 of the change), half the size.
 - otherwise int8 rows (`--dtype int8`, matrices only: norms and vectors stay as they are) or bfloat16.
 
-Other files identical to the reference's, or to its tokenizer as `save_pretrained` writes it (the 11 MB Qwen
-tokenizer in a trainer's checkpoint), are rebuilt from it too, checked by SHA-256; the rest (config, trainer state)
-is copied; a trainer's `optimizer.pt` keeps its parameter groups but not its moments, so `Trainer` can still resume
-the learning-rate schedule from a packed checkpoint (Adam's moments restart from zero). `unpack` writes an ordinary
+Other files of at least 1 MiB identical to the reference's, or to its tokenizer as `save_pretrained` writes it (the
+11 MB Qwen tokenizer in a trainer's checkpoint), are rebuilt from it too, checked by SHA-256. The rest (config,
+trainer state, remote code, chat template) is copied, so a pack does not depend on a reference's small files, which
+change with the library that wrote them (when the reference is a drafter's init, rebuilt later). A trainer's
+`optimizer.pt` keeps its parameter groups but not its moments, so `Trainer` can still resume the learning-rate
+schedule from a packed checkpoint (Adam's moments restart from zero). `unpack` writes an ordinary
 checkpoint directory back.
 """
 
@@ -47,6 +49,7 @@ PACK_FORMAT = 1
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 SKIPPED_FILES = ("optimizer.pt",)  # rewritten without its moments, see `_strip_optimizer`
 MAX_COPIED_FILE_BYTES = 32 * 2**20
+MIN_REFERENCED_FILE_BYTES = 2**20  # smaller files are copied, not rebuilt from the reference
 PACK_DTYPES = ("int8", "bfloat16")
 DELTA_BITS = (4, 8)
 DRAFT_ROWS = "draft_to_target"  # a drafter's draft-vocabulary ids: its LM head's rows in the target's vocabulary
@@ -277,9 +280,11 @@ def pack(
             digest = _file_sha256(path)
             if path.name == "optimizer.pt":
                 _strip_optimizer(path, output_dir / path.name)
-            elif ref_dir is not None and _file_sha256(ref_dir / path.name) == digest:
+            elif ref_dir is None or path.stat().st_size < MIN_REFERENCED_FILE_BYTES:
+                _copy_small(path, output_dir)
+            elif _file_sha256(ref_dir / path.name) == digest:
                 files[path.name] = {"sha256": digest, "from": "file"}  # taken from the reference at unpack
-            elif ref_dir is not None and _file_sha256(resaved / path.name) == digest:
+            elif _file_sha256(resaved / path.name) == digest:
                 files[path.name] = {"sha256": digest, "from": "tokenizer"}  # the reference's tokenizer, as saved
             else:
                 _copy_small(path, output_dir)

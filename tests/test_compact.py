@@ -38,7 +38,8 @@ def int8_row_bound(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.abs().amax(dim=1, keepdim=True) / 127 / 2 + 1e-7
 
 
-def test_pack_references_frozen_copies_and_stores_changes_as_int8_deltas(parent_dir, tmp_path):
+def test_pack_references_frozen_copies_and_stores_changes_as_int8_deltas(parent_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("osprey.compact.MIN_REFERENCED_FILE_BYTES", 0)  # these small files stand in for large ones
     model_dir = pruned_and_trained(parent_dir, tmp_path)
     (model_dir / "trainer_state.json").write_text('{"global_step": 7}')
     (parent_dir / "vocab.txt").write_text("a vocabulary file")
@@ -120,10 +121,10 @@ def test_without_a_reference_matrices_are_int8_rows_within_half_a_step(tmp_path)
 def test_a_changed_reference_is_refused_with_the_fix(parent_dir, tmp_path):
     model_dir = pruned_and_trained(parent_dir, tmp_path)
     packed = pack(model_dir, tmp_path / "packed", reference=str(parent_dir))
-    (parent_dir / "vocab.txt").write_text("{}")
+    (parent_dir / "vocab.txt").write_text("{}" * 2**20)  # large files are taken from the reference
     shutil.copy(parent_dir / "vocab.txt", model_dir / "vocab.txt")
     packed_with_file = pack(model_dir, tmp_path / "packed-file", reference=str(parent_dir))
-    (parent_dir / "vocab.txt").write_text('{"changed": 1}')
+    (parent_dir / "vocab.txt").write_text('{"changed": 1}' * 2**20)
     with pytest.raises(ValueError, match="'vocab.txt' rebuilt from .*does not match the SHA-256"):
         unpack(packed_with_file, tmp_path / "restored-file")
     weights = load_file(parent_dir / "model.safetensors")
@@ -135,6 +136,26 @@ def test_a_changed_reference_is_refused_with_the_fix(parent_dir, tmp_path):
         pack(model_dir, packed, reference=str(parent_dir))
     with pytest.raises(ValueError, match="osprey pack"):
         unpack(model_dir, tmp_path / "other")
+
+
+def test_small_files_travel_with_the_pack_so_a_later_reference_may_differ_in_them(parent_dir, tmp_path):
+    """A drafter's checkpoint packed against its own init: the init is rebuilt on the next machine by a later
+    version of the library, whose remote code and configs may differ. Only large files (a tokenizer) are taken from
+    the reference; the small ones are copied, so the pack unpacks exactly against that later reference."""
+    model_dir = pruned_and_trained(parent_dir, tmp_path)
+    for directory in (parent_dir, model_dir):
+        (directory / "modeling_osprey.py").write_text("# the library's remote code\n")
+        (directory / "big.bin").write_bytes(b"x" * 2**20)
+    packed = pack(model_dir, tmp_path / "packed", reference=str(parent_dir))
+    assert set(json.loads((packed / PACK_MANIFEST).read_text())["files"]) == {"big.bin"}
+    assert (packed / "modeling_osprey.py").is_file() and not (packed / "big.bin").exists()
+    (parent_dir / "modeling_osprey.py").write_text("# a later version\n")
+    restored = unpack(packed, tmp_path / "restored")
+    assert (restored / "modeling_osprey.py").read_text() == "# the library's remote code\n"
+    assert (restored / "big.bin").read_bytes() == b"x" * 2**20
+    (parent_dir / "big.bin").write_bytes(b"y" * 2**20)  # control: a referenced file is still checked
+    with pytest.raises(ValueError, match="'big.bin' rebuilt from .*does not match the SHA-256"):
+        unpack(packed, tmp_path / "restored-again")
 
 
 def test_a_packed_optimizer_keeps_its_groups_so_the_schedule_resumes(tmp_path):

@@ -877,6 +877,55 @@ def test_sigterm_saves_the_running_step_and_stops_without_a_final_model(tmp_path
     assert signal.getsignal(signal.SIGTERM) == handler
 
 
+def test_models_at_the_keep_steps_outlive_checkpoint_rotation(tmp_path):
+    """A long run's learning-curve points: the model at each of `keep_steps` is evaluated and kept, whole and without
+    the optimizer, in `kept/step-N` while `save_total_limit` rotates the resume checkpoints away; steps not listed are
+    not kept, nor evaluated before the last."""
+    from safetensors.torch import load_file
+
+    from trainers.devices import train_and_save
+
+    target, seen = make_tiny_target("llama"), {}
+
+    class Snapshot(__import__("transformers").TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            seen[state.global_step] = {name: t.detach().clone() for name, t in unwrap(model).state_dict().items()}
+
+    config = distill_config(
+        tmp_path,
+        max_steps=5,
+        save_strategy="steps",
+        save_steps=100,
+        save_total_limit=1,
+        eval_strategy="steps",
+        eval_steps=100,
+        keep_steps=[2, 4],
+    )
+    trainer = OspreyDistillTrainer(
+        tiny_drafter(target),
+        config,
+        train_dataset=token_dataset(32, 12),
+        eval_dataset=token_dataset(4, 12, seed=1),
+        target_model=target,
+    )
+    trainer.add_callback(Snapshot())
+    assert train_and_save(trainer, None, config.keep_steps) == 0
+    output = tmp_path / "distill"
+    assert sorted(path.name for path in (output / "kept").iterdir()) == ["step-2", "step-4"]
+    evaluated = {entry["step"] for entry in trainer.state.log_history if "eval_loss" in entry}
+    assert {2, 4} <= evaluated and not {1, 3} & evaluated  # (and the last step, as `Trainer` does)
+    assert len(list(output.glob("checkpoint-*"))) == 1 and not (output / "checkpoint-2").exists()  # rotated away
+    for step in (2, 4):
+        kept = output / "kept" / f"step-{step}"
+        assert not (kept / "optimizer.pt").exists()
+        assert json.loads((kept / "trainer_state.json").read_text())["global_step"] == step
+        weights = load_file(kept / "model.safetensors")
+        for name, tensor in weights.items():
+            torch.testing.assert_close(tensor, seen[step][name], rtol=0, atol=0, msg=name)
+        assert not torch.equal(weights["model.fc.weight"], seen[5]["model.fc.weight"])  # not the final model
+        OspreyForDrafting.from_pretrained(kept)  # loads as a drafter
+
+
 def test_a_resumed_run_evaluates_and_saves_on_its_own_schedule(tmp_path):
     """A run resumed with other `eval_steps` and `save_steps` than its checkpoint's follows the new ones (the
     `Trainer` alone keeps the checkpoint's: stage 2 evaluated for 27 minutes at a step its config had dropped)."""

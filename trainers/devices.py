@@ -8,12 +8,15 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import shutil
 import signal
 import threading
+from pathlib import Path
 
 import torch
 from accelerate.utils import extract_model_from_parallel
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy
 
 from osprey.zoo import load_causal_lm
 
@@ -213,13 +216,48 @@ class ScheduleFromArguments(TrainerCallback):
         state.compute_steps(args, state.max_steps)
 
 
-def train_and_save(trainer: Trainer, resume_from_checkpoint: str | bool | None) -> int:
+class KeepModelAt(TrainerCallback):
+    """The points of a learning curve in a long run whose rolling checkpoints only serve to resume it: at each of
+    `steps` the model is evaluated (unless `eval_strategy` is "no"), checkpointed, and that checkpoint's model
+    (weights, configs, trainer state; not the optimizer) kept in `output_dir/kept/step-N`, beyond the reach of
+    `save_total_limit`'s rotation, to be benchmarked later."""
+
+    KEPT_DIR = "kept"
+    LEFT_OUT = ("optimizer.pt", "scheduler.pt", "training_args.bin")
+
+    def __init__(self, steps):
+        self.steps = set(steps)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in self.steps:
+            control.should_save = True
+            control.should_evaluate = args.eval_strategy != IntervalStrategy.NO
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step not in self.steps or not state.is_world_process_zero:
+            return
+        checkpoint = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        kept = Path(args.output_dir) / self.KEPT_DIR / f"step-{state.global_step}"
+        if kept.exists():  # kept by an earlier run that was resumed from before this step
+            return
+        partial = kept.with_name(kept.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(
+            checkpoint, partial, ignore=lambda _, names: [n for n in names if n in self.LEFT_OUT or n.startswith("rng")]
+        )
+        partial.rename(kept)
+
+
+def train_and_save(trainer: Trainer, resume_from_checkpoint: str | bool | None, keep_steps=()) -> int:
     """Trains, then saves the model to `output_dir` and returns 0; both stages' scripts end with it. A resumed run
-    keeps this run's logging, evaluation and save steps (`ScheduleFromArguments`). Stopped by SIGTERM
-    (`StopOnTerminate`), it saves only the step's checkpoint, not a final model that would pass for a finished run,
-    and returns 143 (128 + SIGTERM): resume with `--resume-from-checkpoint true`."""
+    keeps this run's logging, evaluation and save steps (`ScheduleFromArguments`); the models at `keep_steps` are
+    kept in `output_dir/kept/step-N` (`KeepModelAt`). Stopped by SIGTERM (`StopOnTerminate`), it saves only the step's
+    checkpoint, not a final model that would pass for a finished run, and returns 143 (128 + SIGTERM): resume with
+    `--resume-from-checkpoint true`."""
     stop = StopOnTerminate()
     trainer.add_callback(ScheduleFromArguments())
+    if keep_steps:
+        trainer.add_callback(KeepModelAt(keep_steps))
     trainer.add_callback(stop)
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     if stop.received:

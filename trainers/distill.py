@@ -67,6 +67,9 @@ class OspreyDistillConfig(TrainingArguments):
             Train on assistant tokens only when examples are conversations.
         freeze_embeddings (`bool`, *optional*, defaults to `False`):
             Keep the drafter's input embedding fixed, as EAGLE-3 does with the target's embedding it reuses.
+        keep_steps (`list[int]`, *optional*, defaults to `[]`):
+            Steps at which a checkpoint is saved and its model kept in `output_dir/kept/step-N`, out of reach of
+            `save_total_limit`: the points of a learning curve in a long run (see `trainers.devices.KeepModelAt`).
     """
 
     target_model: str | None = field(
@@ -84,6 +87,10 @@ class OspreyDistillConfig(TrainingArguments):
     dataset_text_field: str = field(default="text", metadata={"help": "Column holding plain text."})
     assistant_only_loss: bool = field(default=True, metadata={"help": "Train on assistant tokens only (chats)."})
     freeze_embeddings: bool = field(default=False, metadata={"help": "Keep the input embedding fixed (EAGLE-3)."})
+    keep_steps: list[int] = field(
+        default_factory=list,
+        metadata={"help": "Steps whose model is kept in output_dir/kept/step-N (learning-curve points).", "nargs": "+"},
+    )
     learning_rate: float = field(default=1e-4, metadata={"help": "The initial learning rate for AdamW."})
     logging_steps: float = field(default=10, metadata={"help": "Log every X update steps."})
     bf16: bool | None = field(default=None, metadata={"help": "bf16 mixed precision; default: on iff CUDA has bf16."})
@@ -406,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = OspreyDistillTrainer(
         drafter, config, train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=tokenizer
     )
-    status = train_and_save(trainer, resume_argument(config.resume_from_checkpoint))
+    status = train_and_save(trainer, resume_argument(config.resume_from_checkpoint), config.keep_steps)
     if status:
         return status
     trainer.save_state()  # trainer_state.json: the training budget, for the model card

@@ -44,7 +44,7 @@ BACKBONE_PARENT=qwen2.5-coder-0.5b-instruct
 SHIPPED=osprey/demo_drafter_qwen
 OUT=$RUNS/qwen-drafter
 REGEN=$RUNS/regen/$TARGET
-source benchmarks/replication/stages.sh  # log
+source benchmarks/replication/stages.sh  # log, restore_answers, tau_subset
 mkdir -p "$OUT"
 
 MODE=${1:-drafter}
@@ -62,10 +62,7 @@ if [ "$MODE" = drafter ] && [ "${FROM_SCRATCH:-0}" != 1 ]; then
   exit 0
 fi
 
-mkdir -p "$REGEN"  # the committed answers (regenerate_qwen.sh restores and extends them the same way)
-for file in benchmarks/checkpoints/regenerated-sharegpt-$TARGET/*.jsonl.gz; do
-  [ -s "$REGEN/$(basename "$file" .gz)" ] || gunzip -c "$file" > "$REGEN/$(basename "$file" .gz)"
-done
+restore_answers benchmarks/checkpoints/regenerated-sharegpt-$TARGET "$REGEN"  # the committed answers
 [ -d "$OUT/backbone" ] || $OSPREY prune --backbone $BACKBONE_PARENT --num-layers 2 --output "$OUT/backbone"
 [ -d "$OUT/osprey-init" ] || $OSPREY convert --backbone "$OUT/backbone" --target $TARGET \
   --draft-vocab-from $SHIPPED --output "$OUT/osprey-init"
@@ -91,13 +88,10 @@ round2() {  # $1: output prefix; Osprey's round 2, from round 1's drafter
 round3() {  # $1: round 2's drafter, $2: output; Osprey's round 3, on all committed answers
   distill benchmarks/replication/distill-qwen-q05b-regen1616.yaml "$1" "$2" "$OUT/features-1616"
 }
-equal_budget() {  # $1: round1-epoch1|round1|round2|round3, then --drafter NAME=DIR...: τ at equal budget on a fixed
-  # 25-prompt subset, one per category of the replication's suites; greedy τ needs no target-alone run. A bench resumes
-  # its results file, so a rerun (or another drafter) only measures what is missing.
+equal_budget() {  # $1: round1-epoch1|round1|round2|round3, then --drafter NAME=DIR...: τ at equal budget on the
+  # fixed 25-prompt subset (stages.sh: tau_subset)
   local stage=$1; shift
-  $OSPREY bench --target $TARGET "$@" --baselines "" --prompts spec_bench --prompts mt_bench \
-    --prompts humaneval --prompts mmath --per-category 1 --max-new-tokens 48 --dtype bfloat16 \
-    --output benchmarks/results/equal-budget-$TARGET-$stage.json
+  tau_subset benchmarks/results/equal-budget-$TARGET-$stage.json "$@"
 }
 features "$OUT/features-240" --max-examples 240
 if [ "$MODE" = early ]; then

@@ -30,3 +30,97 @@ distill() {  # distill INIT OUTPUT FEATURES [ARGS...]: stage 4 on the replicatio
   $OSPREY distill --config benchmarks/replication/distill-common.yaml --feature_cache "$features" \
     --drafter "$init" --output_dir "$output" "$@" "${resume[@]}" >> "$output.log" 2>&1
 }
+
+restore_answers() {  # restore_answers PACKED DIR: the committed target-written answers (regenerate_qwen.sh) in DIR
+  mkdir -p "$2"
+  local file
+  for file in "$1"/*.jsonl.gz; do
+    [ -e "$file" ] || continue
+    [ -s "$2/$(basename "$file" .gz)" ] || { log "restoring $2/$(basename "$file" .gz)"; gunzip -c "$file" > "$2/$(basename "$file" .gz)"; }
+  done
+  [ -f "$2/manifest.json" ] || [ ! -f "$1/manifest.json" ] || cp "$1/manifest.json" "$2/"
+}
+
+tau_subset() {  # tau_subset RESULTS --drafter NAME=DIR...: greedy tau for Qwen2.5-Coder-1.5B-Instruct on a fixed
+  # 25-prompt subset, one per category of the replication's suites (no target-alone run: greedy tau needs none). The
+  # bench resumes RESULTS, so a rerun, or another drafter, only measures what is missing.
+  local results=$1; shift
+  $OSPREY bench --target qwen2.5-coder-1.5b-instruct "$@" --baselines "" --prompts spec_bench --prompts mt_bench \
+    --prompts humaneval --prompts mmath --per-category 1 --max-new-tokens 48 --dtype bfloat16 --output "$results"
+}
+
+# --- Chunked training, resumable across machines (stage2_qwen.sh, full_budget_qwen.sh) ---
+# No process here may live 3 hours, and the runs folder does not outlive the machine: a long run is cut into chunks,
+# and after each one its latest checkpoint is packed (`osprey pack --checkpoint ... "${PACK_ARGS[@]}"`, set by the
+# caller) into a folder that COMMIT=1 commits; a fresh machine unpacks it and resumes (same step and learning-rate
+# schedule; Adam's moments restart).
+
+step_of() { grep -o '"global_step": *[0-9]*' "$1/trainer_state.json" | grep -o '[0-9]*$'; }
+
+complete_checkpoint() {  # a checkpoint a killed save did not leave half-written
+  for file in model.safetensors optimizer.pt scheduler.pt trainer_state.json; do [ -s "$1/$file" ] || return 1; done
+}
+
+latest_checkpoint() {  # latest_checkpoint RUN: RUN's newest complete checkpoint; half-written ones are moved aside
+  local dir
+  for dir in $(for d in "$1"/checkpoint-*; do [ -d "$d" ] && echo "${d##*-} $d"; done | sort -n -r | cut -d' ' -f2-); do
+    if complete_checkpoint "$dir"; then echo "$dir"; return; fi
+    log "moving the incomplete $dir aside"; mv "$dir" "$1/incomplete-$(basename "$dir")-$(date +%s)"
+  done
+}
+
+pack_into() {  # pack_into SOURCE DEST MESSAGE: a staging pack swapped in whole (a killed pack loses nothing), then
+  # with COMMIT=1 committed with the rest of DEST's parent folder
+  rm -rf "$2.staging"
+  $OSPREY pack --checkpoint "$1" --output "$2.staging" "${PACK_ARGS[@]}"
+  rm -rf "$2" && mv "$2.staging" "$2"
+  local size; size=$(du -sm "$2" | cut -f1)
+  [ "$size" -le 50 ] || log "warning: $2 is $size MB, above the 50 MB a committed stage product may take"
+  if [ "${COMMIT:-0}" = 1 ]; then
+    git add "$(dirname "$2")" && git commit -q -m "$(basename "$(dirname "$2")"): $3 packed ($size MB)" \
+      -- "$(dirname "$2")"
+  fi
+}
+
+train_in_chunks() {  # train_in_chunks RUN PACKED COMMAND...: runs COMMAND (an `osprey pretrain|distill` writing to
+  # RUN) for at most MAX_CHUNKS chunks of CHUNK_MINUTES, each followed by a pack of RUN's latest checkpoint into
+  # PACKED/checkpoint; when training finishes, the final model (with its training record) goes to PACKED/final and
+  # the superseded resume pack is removed. Returns 0 when finished (at once if PACKED/final exists), 3 when the chunks
+  # ran out first (rerun), 1 when COMMAND failed. When a chunk's time is up, `timeout` sends SIGTERM: the trainer
+  # finishes the running update, checkpoints it and stops; one still running 10 minutes later is killed.
+  local run=$1 packed=$2 chunk rc checkpoint resume step
+  shift 2
+  if [ -f "$packed/final/osprey_pack.json" ]; then log "done: $packed/final"; return 0; fi
+  mkdir -p "$packed"
+  if [ -z "$(latest_checkpoint "$run")" ] && [ -f "$packed/checkpoint/osprey_pack.json" ]; then
+    step=$(step_of "$packed/checkpoint")
+    log "no local checkpoint: resuming from the committed pack (step $step)"
+    $OSPREY unpack --checkpoint "$packed/checkpoint" --output "$run/checkpoint-$step"
+  fi
+  for chunk in $(seq "${MAX_CHUNKS:-3}"); do
+    resume=()
+    [ -n "$(latest_checkpoint "$run")" ] && resume=(--resume-from-checkpoint true)
+    log "chunk $chunk/${MAX_CHUNKS:-3}: at most ${CHUNK_MINUTES:-45} min -> $run.log"
+    rc=0
+    timeout --kill-after=10m "${CHUNK_MINUTES:-45}m" "$@" "${resume[@]}" >> "$run.log" 2>&1 || rc=$?
+    checkpoint=$(latest_checkpoint "$run")
+    # a resume point, unless training finished (then the final model below supersedes it)
+    if [ $rc -ne 0 ] && [ -n "$checkpoint" ] && { [ ! -f "$packed/checkpoint/trainer_state.json" ] \
+         || [ "$(step_of "$checkpoint")" != "$(step_of "$packed/checkpoint")" ]; }; then
+      log "pack $checkpoint -> $packed/checkpoint"
+      pack_into "$checkpoint" "$packed/checkpoint" "checkpoint at step $(step_of "$checkpoint")"
+    fi
+    # after the pack: a run killed or failed after a save keeps that checkpoint
+    if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 143 ]; then log "training failed (exit $rc): see $run.log"; return 1; fi
+    if [ $rc -eq 0 ]; then
+      log "pack the finished model -> $packed/final"
+      [ -n "$checkpoint" ] && cp "$checkpoint/trainer_state.json" "$run/"  # the training record travels with it
+      rm -rf "$packed/checkpoint"
+      pack_into "$run" "$packed/final" "final model"
+      log "done: $packed/final"
+      return 0
+    fi
+  done
+  log "${MAX_CHUNKS:-3} chunk(s) run: rerun to continue"
+  return 3
+}
