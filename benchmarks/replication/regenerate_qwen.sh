@@ -15,16 +15,11 @@ THREADS=${THREADS:-1}
 COMMIT=${COMMIT:-0}
 OUT=$RUNS/regen/$TARGET
 PACKED=${PACKED:-benchmarks/checkpoints/regenerated-sharegpt-$TARGET}
-source benchmarks/replication/stages.sh  # log
+source benchmarks/replication/stages.sh  # log, restore_answers
 mkdir -p "$OUT" "$PACKED"
 
 # 1. A fresh machine starts from the committed answers.
-for file in "$PACKED"/*.jsonl.gz; do
-  [ -e "$file" ] || continue
-  local_file=$OUT/$(basename "$file" .gz)
-  if [ ! -s "$local_file" ]; then log "restoring $local_file"; gunzip -c "$file" > "$local_file"; fi
-done
-[ -f "$OUT/manifest.json" ] || { [ -f "$PACKED/manifest.json" ] && cp "$PACKED/manifest.json" "$OUT/"; }
+restore_answers "$PACKED" "$OUT"
 
 # 2. One chunk of answering (the same settings as the committed answers, or the manifest check refuses).
 log "regenerate for at most $CHUNK_MINUTES min"
