@@ -89,6 +89,7 @@ if [ "$MODE" = curve ]; then curve; exit 0; fi
 
 features
 read -r STEPS KEEP <<< "$(plan)"
+[ -n "$KEEP" ] || { log "could not read the budget from $FEATURES/feature_cache.json"; exit 1; }
 log "$DRAFTER: $STEPS steps ($TOKEN_PASSES token-passes), curve points at steps $KEEP and $STEPS"
 PACK_ARGS=(--reference "$OUT/$DRAFTER-init" --delta-bits 4)
 rc=0

@@ -72,13 +72,13 @@ latest_checkpoint() {  # latest_checkpoint RUN: RUN's newest complete checkpoint
 pack_into() {  # pack_into SOURCE DEST MESSAGE: a staging pack swapped in whole (a killed pack loses nothing), then
   # with COMMIT=1 committed with the rest of DEST's parent folder
   rm -rf "$2.staging"
-  $OSPREY pack --checkpoint "$1" --output "$2.staging" "${PACK_ARGS[@]}"
-  rm -rf "$2" && mv "$2.staging" "$2"
+  $OSPREY pack --checkpoint "$1" --output "$2.staging" "${PACK_ARGS[@]}" || return 1
+  rm -rf "$2" && mv "$2.staging" "$2" || return 1
   local size; size=$(du -sm "$2" | cut -f1)
   [ "$size" -le 50 ] || log "warning: $2 is $size MB, above the 50 MB a committed stage product may take"
   if [ "${COMMIT:-0}" = 1 ]; then
     git add "$(dirname "$2")" && git commit -q -m "$(basename "$(dirname "$2")"): $3 packed ($size MB)" \
-      -- "$(dirname "$2")"
+      -- "$(dirname "$2")" || return 1
   fi
 }
 
@@ -87,7 +87,8 @@ train_in_chunks() {  # train_in_chunks RUN PACKED COMMAND...: runs COMMAND (an `
   # PACKED/checkpoint; when training finishes, the final model (with its training record) goes to PACKED/final and
   # the superseded resume pack is removed. Returns 0 when finished (at once if PACKED/final exists), 3 when the chunks
   # ran out first (rerun), 1 when COMMAND failed. When a chunk's time is up, `timeout` sends SIGTERM: the trainer
-  # finishes the running update, checkpoints it and stops; one still running 10 minutes later is killed.
+  # finishes the running update, checkpoints it and stops; one still running 10 minutes later is killed. Every step is
+  # checked explicitly: `set -e` does not apply inside a function called as `train_in_chunks ... || rc=$?`.
   local run=$1 packed=$2 chunk rc checkpoint resume step
   shift 2
   if [ -f "$packed/final/osprey_pack.json" ]; then log "done: $packed/final"; return 0; fi
@@ -95,7 +96,7 @@ train_in_chunks() {  # train_in_chunks RUN PACKED COMMAND...: runs COMMAND (an `
   if [ -z "$(latest_checkpoint "$run")" ] && [ -f "$packed/checkpoint/osprey_pack.json" ]; then
     step=$(step_of "$packed/checkpoint")
     log "no local checkpoint: resuming from the committed pack (step $step)"
-    $OSPREY unpack --checkpoint "$packed/checkpoint" --output "$run/checkpoint-$step"
+    $OSPREY unpack --checkpoint "$packed/checkpoint" --output "$run/checkpoint-$step" || return 1
   fi
   for chunk in $(seq "${MAX_CHUNKS:-3}"); do
     resume=()
@@ -108,7 +109,7 @@ train_in_chunks() {  # train_in_chunks RUN PACKED COMMAND...: runs COMMAND (an `
     if [ $rc -ne 0 ] && [ -n "$checkpoint" ] && { [ ! -f "$packed/checkpoint/trainer_state.json" ] \
          || [ "$(step_of "$checkpoint")" != "$(step_of "$packed/checkpoint")" ]; }; then
       log "pack $checkpoint -> $packed/checkpoint"
-      pack_into "$checkpoint" "$packed/checkpoint" "checkpoint at step $(step_of "$checkpoint")"
+      pack_into "$checkpoint" "$packed/checkpoint" "checkpoint at step $(step_of "$checkpoint")" || return 1
     fi
     # after the pack: a run killed or failed after a save keeps that checkpoint
     if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 143 ]; then log "training failed (exit $rc): see $run.log"; return 1; fi
@@ -116,7 +117,7 @@ train_in_chunks() {  # train_in_chunks RUN PACKED COMMAND...: runs COMMAND (an `
       log "pack the finished model -> $packed/final"
       [ -n "$checkpoint" ] && cp "$checkpoint/trainer_state.json" "$run/"  # the training record travels with it
       rm -rf "$packed/checkpoint"
-      pack_into "$run" "$packed/final" "final model"
+      pack_into "$run" "$packed/final" "final model" || return 1
       log "done: $packed/final"
       return 0
     fi
