@@ -13,7 +13,8 @@
 # checkpoint is packed against the drafter's own init (int4 changes; the init is rebuilt here from committed
 # products by deterministic commands, and every rebuilt tensor is checked by SHA-256 at unpack) into
 # benchmarks/checkpoints/full-budget-qwen2.5-coder-1.5b-instruct/DRAFTER, which COMMIT=1 commits. A fresh machine
-# unpacks it and resumes (Adam's moments restart). The learning curve's points (1/16, 1/8, 1/4 and 1/2 of the steps,
+# unpacks it and resumes (Adam's moments restart); the pack records the init by its path, so keep RUNS (default
+# /work/runs) the same there. The learning curve's points (1/16, 1/8, 1/4 and 1/2 of the steps,
 # and the end) are evaluated on the held-out conversations and kept (`--keep_steps`); `train` benches the tau of each
 # kept point as soon as its chunk ends (`curve`, a fixed 25-prompt subset, one per category; ~10 min each), so a
 # point is measured on the machine that made it.
