@@ -150,10 +150,9 @@ def decode(
     eos_ids = None if eos_token_id is None else torch.tensor(eos_token_id, device=input_ids.device).view(-1)
     with TargetFeatureCapture(target, drafter.config.target_layer_ids) as capture:
         cache = DynamicCache(config=target.config)
-        check_rollback(target, cache)
+        check_rollback(target, cache)  # a config's cache holds every layer up front (lazily made ones are KV layers)
         cache.activate_past_recording()  # sliding-window layers must keep what they slide out, to roll back
         logits = target(input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:]
-        check_rollback(target, cache)  # layers that a cache creates at its first forward
         first = _target_tokens(logits.float(), input_ids, processors, do_sample, generator)
         first, stop = _apply_stopping_criteria(stopping_criteria, input_ids, first)
         sequence, features, new_tokens = torch.cat([input_ids, first], dim=-1), capture.features, 1
