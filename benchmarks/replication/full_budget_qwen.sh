@@ -68,12 +68,15 @@ case $DRAFTER in
     --like "$OUT/osprey-init" --output "$OUT/$DRAFTER-init" ;;
 esac
 
-# The budget in steps of 4 sequences, from the feature cache's own token count; the curve's points are fractions of it.
+# The budget in steps of the config's batch, from the feature cache's own token count; the curve's points are
+# fractions of it.
 plan() {
-  .venv/bin/python - "$FEATURES/feature_cache.json" "$TOKEN_PASSES" <<'PY'
-import json, math, sys
+  .venv/bin/python - "$FEATURES/feature_cache.json" "$TOKEN_PASSES" "$CONFIG" <<'PY'
+import json, math, sys, yaml
 train = json.load(open(sys.argv[1]))["splits"]["train"]
-steps = math.ceil(int(sys.argv[2]) * train["num_sequences"] / (4 * train["num_tokens"]))
+config = yaml.safe_load(open(sys.argv[3]))
+batch = config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
+steps = math.ceil(int(sys.argv[2]) * train["num_sequences"] / (batch * train["num_tokens"]))
 print(steps, *(steps // d for d in (16, 8, 4, 2)))
 PY
 }
