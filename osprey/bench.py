@@ -19,7 +19,7 @@ import json
 import os
 import time
 import zlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -56,6 +56,9 @@ class BenchSettings:
 
 
 ROUTES = ("standalone", "hf", "custom")
+# The settings a method may have its own values of (`BenchMethod.overrides`, `osprey bench --method-settings`); for a
+# PLD baseline `prompt_lookup_num_tokens` is its lookup length (`pld:N`).
+METHOD_SETTINGS = ("num_draft_tokens", "confidence_threshold", "draft_topk", "tree_size", "prompt_lookup_num_tokens")
 
 
 @dataclass
@@ -65,7 +68,8 @@ class BenchMethod:
     drafter folder's `custom_generate` inside `target.generate` (`drafter_dir`); `tree` drafts trees of the settings'
     `draft_topk` / `tree_size` instead of chains; `lookup` adds the settings' prompt-lookup branch to every draft.
     Without a drafter: `target.generate`, assisted by `assistant` (SpS) or `prompt_lookup_num_tokens` (PLD), or
-    alone."""
+    alone. `overrides` are this method's own values of some `METHOD_SETTINGS` (e.g. its best draft length), used
+    instead of the run's."""
 
     name: str
     spec: str
@@ -76,10 +80,16 @@ class BenchMethod:
     tree: bool = False
     lookup: bool = False
     drafter_dir: str | None = None
-    tree_shape: tuple[int, int | None] | None = None  # (draft_topk, tree_size) of this method, else the settings'
-    lookup_num_tokens: int | None = None  # this method's prompt-lookup branch, else the settings'
+    overrides: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        unknown = sorted(set(self.overrides) - set(METHOD_SETTINGS))
+        if unknown:
+            raise ValueError(
+                f"Method {self.name!r}: {unknown} cannot be set per method; use {', '.join(METHOD_SETTINGS)}."
+            )
+        if self.overrides and self.draft_model is None and self.prompt_lookup_num_tokens is None:
+            raise ValueError(f"Method {self.name!r} is the target alone: it has no draft settings to set.")
         if self.route not in ROUTES:
             raise ValueError(f"Unknown route {self.route!r}: use one of {', '.join(ROUTES)}.")
         if self.route == "hf" and (self.tree or self.lookup):
@@ -91,10 +101,10 @@ class BenchMethod:
 
     def generate(self, target, input_ids, settings: BenchSettings, eos_token_id, request_seed: int):
         """The full output sequence and, for `speculative_generate`, its `SpeculativeStats` (else None)."""
-        topk, size = self.tree_shape or (settings.draft_topk, settings.tree_size)
-        shape = dict(draft_topk=topk, tree_size=size) if self.tree else {}
+        settings = replace(settings, **self.overrides)
+        shape = dict(draft_topk=settings.draft_topk, tree_size=settings.tree_size) if self.tree else {}
         if self.lookup:
-            shape["prompt_lookup_num_tokens"] = self.lookup_num_tokens or settings.prompt_lookup_num_tokens
+            shape["prompt_lookup_num_tokens"] = settings.prompt_lookup_num_tokens
         if self.drafter is not None and self.route == "standalone":
             generator = torch.Generator(device=input_ids.device).manual_seed(request_seed)
             return speculative_generate(
@@ -128,8 +138,10 @@ class BenchMethod:
             self.assistant.generation_config.num_assistant_tokens_schedule = "constant"
             self.assistant.generation_config.assistant_confidence_threshold = settings.confidence_threshold
             extra["assistant_model"] = self.assistant
-        if self.prompt_lookup_num_tokens is not None:
-            extra["prompt_lookup_num_tokens"] = self.prompt_lookup_num_tokens
+        if self.prompt_lookup_num_tokens is not None:  # PLD: its own lookup length, else its spec's
+            extra["prompt_lookup_num_tokens"] = self.overrides.get(
+                "prompt_lookup_num_tokens", self.prompt_lookup_num_tokens
+            )
         return self._target_generate(target, input_ids, settings, eos_token_id, extra), None
 
     @staticmethod
@@ -285,6 +297,12 @@ def _start_results(
                 f"{saved['methods'][method.name]!r}, not {method.spec!r}: give this one another name (NAME=SPEC) or "
                 "pass another --output."
             )
+        own = saved.get("method_settings", {}).get(method.name, {})
+        if method.name in saved["methods"] and own != method.overrides:
+            raise ValueError(
+                f"{output_path} has results of method {method.name!r} with its own settings {own}, not "
+                f"{method.overrides}: pass the same --method-settings to resume it, or another --output."
+            )
     return saved
 
 
@@ -323,6 +341,9 @@ def run_benchmark(
     target_dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
     results = _start_results(target_name or target.config.name_or_path, target_dtype, settings, methods, output_path)
     results["methods"].update({method.name: method.spec for method in methods})
+    own = {method.name: method.overrides for method in methods if method.overrides}
+    if own:
+        results.setdefault("method_settings", {}).update(own)
     for prompt in prompts:
         ids = results["prompts"].setdefault(prompt.suite, {}).setdefault(prompt.category, [])
         ids += [] if prompt.prompt_id in ids else [prompt.prompt_id]
@@ -403,25 +424,50 @@ def expand_drafter_methods(
     return expanded
 
 
+def read_method_settings(path: str | None, names: list[str]) -> dict[str, dict]:
+    """`--method-settings`: {method name: its own settings} from a JSON file (its `chosen` entry if it has one, as
+    `benchmarks/replication/tune_methods.py` writes), for methods among `names`."""
+    if path is None:
+        return {}
+    table = json.loads(Path(path).read_text())
+    table = table.get("chosen", table)
+    unknown = sorted(set(table) - set(names))
+    if unknown:
+        raise ValueError(
+            f"{path} sets methods this run does not have: {unknown} (it has {names}); name the methods alike "
+            "(NAME=DIR, NAME=SPEC) or drop those entries."
+        )
+    return table
+
+
 def load_method(
-    name: str, spec: str, tokenizer, dtype: torch.dtype, device: str, drafter_quantization: str = "none"
+    name: str,
+    spec: str,
+    tokenizer,
+    dtype: torch.dtype,
+    device: str,
+    drafter_quantization: str = "none",
+    overrides: dict | None = None,
 ) -> BenchMethod:
     from .zoo import load_causal_lm, load_tokenizer
 
     kind, _, argument = spec.partition(":")
+    own = dict(overrides=dict(overrides or {}))
     drafter_kinds = {spec_kind: (route, tree, lookup) for spec_kind, _, route, tree, lookup in DRAFTER_METHODS.values()}
     if kind in drafter_kinds:
         route, tree, lookup = drafter_kinds[kind]
         drafter = load_drafter(argument, dtype, device, quantization=drafter_quantization)
         folder = custom_generate_folder(drafter, argument) if route == "custom" else drafter.name_or_path
-        return BenchMethod(name, spec, drafter=drafter, route=route, tree=tree, lookup=lookup, drafter_dir=str(folder))
+        return BenchMethod(
+            name, spec, drafter=drafter, route=route, tree=tree, lookup=lookup, drafter_dir=str(folder), **own
+        )
     if kind == "pld":
-        return BenchMethod(name, spec, prompt_lookup_num_tokens=int(argument or 10))
+        return BenchMethod(name, spec, prompt_lookup_num_tokens=int(argument or 10), **own)
     if kind == "sps":
         if load_tokenizer(argument).get_vocab() != tokenizer.get_vocab():
             raise ValueError(f"sps:{argument} does not share the target's tokenizer; SpS needs a same-tokenizer model.")
-        return BenchMethod(name, spec, assistant=load_causal_lm(argument, dtype=dtype).to(device).eval())
-    return BenchMethod(name, spec)
+        return BenchMethod(name, spec, assistant=load_causal_lm(argument, dtype=dtype).to(device).eval(), **own)
+    return BenchMethod(name, spec, **own)
 
 
 def add_subcommand(subparsers) -> None:
@@ -467,6 +513,13 @@ def add_subcommand(subparsers) -> None:
         "with --draft-topk > 1 each drafter also drafts trees on the routes that verify them, and with "
         "--prompt-lookup-num-tokens again with that prompt-lookup branch (default: standalone)",
     )
+    parser.add_argument(
+        "--method-settings",
+        metavar="JSON",
+        help="methods' own settings: a JSON file mapping method names to some of "
+        f"{', '.join(METHOD_SETTINGS)} (e.g. each method's best draft length; a tuning result's `chosen` is read), "
+        "used instead of the run's for those methods and recorded in the results",
+    )
     parser.add_argument("--no-chat-template", action="store_true", help="feed prompts without the chat template")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -505,8 +558,10 @@ def _run_bench(args) -> int:
     target, tokenizer = load_causal_lm(args.target, dtype=dtype).to(args.device).eval(), load_tokenizer(args.target)
     if args.draft_topk > 1 and args.tree_size is None:  # the default this target's device gets, recorded
         settings = replace(settings, tree_size=default_tree_size(target, args.num_draft_tokens, args.draft_topk))
+    own = read_method_settings(args.method_settings, [name for name, _ in specs])
     methods = [
-        load_method(name, spec, tokenizer, dtype, args.device, settings.drafter_quantization) for name, spec in specs
+        load_method(name, spec, tokenizer, dtype, args.device, settings.drafter_quantization, own.get(name, {}))
+        for name, spec in specs
     ]
     results = run_benchmark(
         target, tokenizer, methods, prompts, settings, output_path=args.output, target_name=args.target

@@ -94,6 +94,11 @@ def _number(value, digits: int = 2, suffix: str = "") -> str:
     return "–" if value is None else f"{value:.{digits}f}{suffix}"
 
 
+def _own_settings(results: dict, method: str) -> str:
+    own = results.get("method_settings", {}).get(method, {})
+    return f" ({', '.join(f'{key} {value}' for key, value in own.items())})" if own else ""
+
+
 def markdown_table(results: dict) -> str:
     """A table per suite: one row per category and method."""
     settings = results["settings"]
@@ -109,7 +114,7 @@ def markdown_table(results: dict) -> str:
     lines = [
         f"Target `{results['target']}`, {decoding}, up to {settings['max_new_tokens']} new tokens, "
         f"{settings['num_draft_tokens']} draft tokens per step{early_stop}{drafters}. Methods: "
-        + ", ".join(f"`{name}` = {spec}" for name, spec in results["methods"].items())
+        + ", ".join(f"`{name}` = {spec}{_own_settings(results, name)}" for name, spec in results["methods"].items())
         + "."
     ]
     for suite in results["prompts"]:

@@ -177,6 +177,37 @@ def test_confidence_threshold_shortens_the_chains_of_drafters_and_sps_alike(mode
     assert drafted["sps", 0.08] < drafted["sps", 0.0]
 
 
+def test_a_method_decodes_with_its_own_settings_and_they_are_recorded(models, tmp_path):
+    target, drafter, _, tokenizer = models
+    methods = [
+        BenchMethod("target", "target"),
+        BenchMethod("osprey", "drafter:near-copy", drafter=drafter),
+        BenchMethod("osprey-2", "drafter:near-copy", drafter=drafter, overrides={"num_draft_tokens": 2}),
+        BenchMethod("pld", "pld:3", prompt_lookup_num_tokens=3),
+        BenchMethod("pld-1", "pld:3", prompt_lookup_num_tokens=3, overrides={"prompt_lookup_num_tokens": 1}),
+    ]
+    output = tmp_path / "own.json"
+    options = {"output_path": output, "warmup": False, "progress": False}
+    results = run_benchmark(target, tokenizer, methods, PROMPTS, SETTINGS, **options)
+    assert all(record["same_output_as_target"] == 1 for record in results["records"])
+    longest = {
+        name: max(n for row in results["requests"] if row["method"] == name for n in row["drafted_per_step"])
+        for name in ("osprey", "osprey-2", "pld", "pld-1")
+    }
+    assert longest == {"osprey": SETTINGS.num_draft_tokens, "osprey-2": 2, "pld": 3, "pld-1": 1}
+    assert results["method_settings"] == {"osprey-2": {"num_draft_tokens": 2}, "pld-1": {"prompt_lookup_num_tokens": 1}}
+    assert "`osprey-2` = drafter:near-copy (num_draft_tokens 2)" in markdown_table(results)
+    saved = output.read_bytes()
+    other = [BenchMethod("osprey-2", "drafter:near-copy", drafter=drafter, overrides={"num_draft_tokens": 3})]
+    with pytest.raises(ValueError, match="pass the same --method-settings"):
+        run_benchmark(target, tokenizer, other, PROMPTS, SETTINGS, **options)
+    assert output.read_bytes() == saved
+    with pytest.raises(ValueError, match="cannot be set per method"):
+        BenchMethod("osprey", "drafter:x", drafter=drafter, overrides={"max_new_tokens": 4})
+    with pytest.raises(ValueError, match="target alone"):
+        BenchMethod("target", "target", overrides={"num_draft_tokens": 4})
+
+
 def test_results_saved_before_a_setting_existed_resume_with_its_default(models, tmp_path):
     target, drafter, _, tokenizer = models
     methods, output = all_methods(drafter, None)[:2], tmp_path / "old.json"
@@ -330,6 +361,18 @@ def test_cli_writes_results_table_and_plot(models, tmp_path, capsys):
     markdown = output.with_suffix(".md").read_text()
     assert markdown in capsys.readouterr().out and markdown.count("| osprey |") == 3
     assert output.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+
+    tuned = tmp_path / "tuned.json"  # as benchmarks/replication/tune_methods.py writes it
+    tuned.write_text(
+        json.dumps({"chosen": {"osprey": {"num_draft_tokens": 2}, "pld": {"prompt_lookup_num_tokens": 2}}})
+    )
+    own = tmp_path / "out" / "own.json"
+    assert main(argv[:-1] + [str(own), "--method-settings", str(tuned)]) == 0
+    assert json.loads(own.read_text())["method_settings"] == json.loads(tuned.read_text())["chosen"]
+    tuned.write_text(json.dumps({"osprey": {"num_draft_tokens": 2}, "eagle3": {"num_draft_tokens": 3}}))
+    capsys.readouterr()
+    assert main(argv[:-1] + [str(tmp_path / "never.json"), "--method-settings", str(tuned)]) == 2
+    assert "does not have: ['eagle3']" in capsys.readouterr().err and not (tmp_path / "never.json").exists()
 
 
 @pytest.mark.network
@@ -502,3 +545,60 @@ def test_drafters_expand_into_routes_and_trees():
         expand_drafter_methods(pairs, ["vllm"], trees=False)
     with pytest.raises(ValueError, match="verifies chains only"):
         BenchMethod("x", "hf:d", drafter=None, route="hf", tree=True)
+
+
+def test_tuning_holds_out_the_bench_prompts_and_its_choice_feeds_the_bench(models, tmp_path, monkeypatch, capsys):
+    """`tune_methods.py` measures on prompts the bench never decodes, each candidate with its own settings, and writes
+    the per-method choice `osprey bench --method-settings` reads."""
+    tune = _replication_module("tune_methods")
+    _write_jsonl(
+        tmp_path / "data/spec_bench/question.jsonl",
+        [{"question_id": i, "category": c, "turns": [f"{c} {i}"]} for i, c in enumerate(["qa", "rag"] * 4)],
+    )
+    suite = load_suite("spec_bench", data_dir=tmp_path / "data")
+    held_out = tune.held_out_prompts(["spec_bench"], 2, seed=0, data_dir=tmp_path / "data")
+    bench = select_subset(suite, 2, seed=0)
+    assert sorted(p.category for p in held_out) == ["spec_bench/qa", "spec_bench/rag"]
+    assert {p.text for p in held_out}.isdisjoint(p.text for p in bench) and {p.suite for p in held_out} == {"held_out"}
+
+    target, drafter, _, tokenizer = models
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    _write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p.text, "category": p.category} for p in PROMPTS])
+    output = tmp_path / "tuned.json"
+    argv = ["tune_methods.py", "--target", str(tmp_path / "target"), "--drafter", f"osprey={tmp_path / 'drafter'}"]
+    argv += ["--pld", "1,3", "--prompts-file", str(tmp_path / "prompts.jsonl"), "--num-draft-tokens", "1,4"]
+    argv += ["--confidence-threshold", "0", "--draft-topk", "1", "--max-new-tokens", "8", "--output", str(output)]
+    monkeypatch.setattr("sys.argv", argv)
+    tune.main()
+    tuned = json.loads(output.read_text())
+    assert set(tuned["chosen"]) == {"osprey", "pld"} and len(tuned["candidates"]) == 4
+    assert all(row["same_output_as_target"] == 1 for row in tuned["candidates"].values())
+    runs = json.loads(output.with_suffix(".runs.json").read_text())
+    longest = {  # each candidate drafted with its own settings (prompt lookup finds shorter matches at times)
+        name: max(n for r in runs["requests"] if r["method"] == name for n in r["drafted_per_step"])
+        for name in tuned["candidates"]
+    }
+    own = {name: row["settings"] for name, row in tuned["candidates"].items()}
+    assert all(longest[name] == own[name]["num_draft_tokens"] for name in own if name.startswith("osprey@"))
+    assert sorted(longest[name] for name in own if name.startswith("pld@")) == [1, 2]
+    for method, own in tuned["chosen"].items():
+        best = max((r for r in tuned["candidates"].values() if r["method"] == method), key=lambda r: r["tokens_per_s"])
+        assert own == best["settings"]
+
+    bench_output = tmp_path / "bench.json"
+    argv = ["bench", "--target", str(tmp_path / "target"), "--drafter", f"osprey={tmp_path / 'drafter'}"]
+    argv += ["--baselines", "target,pld", "--prompts", str(tmp_path / "prompts.jsonl"), "--per-category", "1"]
+    argv += [
+        "--max-new-tokens",
+        "8",
+        "--device",
+        "cpu",
+        "--method-settings",
+        str(output),
+        "--output",
+        str(bench_output),
+    ]
+    assert main(argv) == 0
+    assert json.loads(bench_output.read_text())["method_settings"] == tuned["chosen"]

@@ -8,6 +8,14 @@
 #   full_budget_qwen.sh features                   # the feature cache (~1.5 h of 2 cores, ~20 GB; recomputable)
 #   full_budget_qwen.sh train osprey|scratch|eagle3  # chunks of distillation (~6 h each): rerun until it says done
 #   full_budget_qwen.sh curve osprey|scratch|eagle3  # tau of every learning-curve point not yet benched
+#   full_budget_qwen.sh bench                      # tune each method's drafting on held-out prompts, then the bench
+#   full_budget_qwen.sh all                        # all of the above in order (run.sh's): rerun until it says done
+#
+# `bench` (~4 h, resumable): first each method's best draft length, early stop and tree shape are measured on
+# prompts the bench never decodes (tune_methods.py: the next seeded prompt of each category), then the three drafters
+# (chains, trees, trees with a prompt-lookup branch), the target alone, PLD and SpS decode the bench's 50 prompts in
+# one `osprey bench` run, each method with its tuned settings (--method-settings, recorded in the results):
+# benchmarks/results/replication-qwen2.5-coder-1.5b-instruct.{json,md,png}, and ratios.py's tables.
 #
 # `train` cuts the run into chunks (stages.sh: train_in_chunks, CHUNK_MINUTES, MAX_CHUNKS); after each one its latest
 # checkpoint is packed against the drafter's own init (int4 changes; the init is rebuilt here from committed
@@ -22,6 +30,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-/work/runs}
 OSPREY=${OSPREY:-.venv/bin/osprey}
+PYTHON=${PYTHON:-.venv/bin/python}
 TARGET=qwen2.5-coder-1.5b-instruct
 SHIPPED=osprey/demo_drafter_qwen
 BACKBONE_PACK=benchmarks/checkpoints/stage2-qwen2.5-coder-0.5b-2l-first/final
@@ -35,10 +44,13 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 source benchmarks/replication/stages.sh  # log, restore_answers, train_in_chunks, tau_subset
 mkdir -p "$OUT"
 
-usage() { echo "usage: $0 features | train DRAFTER | curve DRAFTER   (DRAFTER: osprey, scratch or eagle3)" >&2; exit 2; }
+usage() {
+  echo "usage: $0 features | train DRAFTER | curve DRAFTER | bench | all   (DRAFTER: osprey, scratch or eagle3)" >&2
+  exit 2
+}
 MODE=${1:-}
 case $MODE in
-  features) [ $# -eq 1 ] || usage ;;
+  features|bench|all) [ $# -eq 1 ] || usage ;;
   train|curve) [ $# -eq 2 ] || usage; case $2 in osprey|scratch|eagle3) ;; *) usage ;; esac ;;
   *) usage ;;
 esac
@@ -53,20 +65,20 @@ features() {
   fi
   log "features of the first $EXAMPLES regenerated answers -> $FEATURES (resumes after its last complete shard)"
   $OSPREY features --target $TARGET --dataset-name "$OUT/answers" --max-length 640 --batch-size 4 \
-    --target-dtype bfloat16 --max-examples "$EXAMPLES" --shard-size-mb 512 --output "$FEATURES"
+    --target-dtype bfloat16 --max-examples "$EXAMPLES" --shard-size-mb 512 --output "$FEATURES" || return 1
 }
 if [ "$MODE" = features ]; then features; log "done: $FEATURES"; exit 0; fi
 
-DRAFTER=$2
-# The inits, rebuilt the same way on every machine.
-BACKBONE=$OUT/backbone
-[ -f "$BACKBONE/model.safetensors" ] || $OSPREY unpack --checkpoint "$BACKBONE_PACK" --output "$BACKBONE"
-[ -f "$OUT/osprey-init/model.safetensors" ] || $OSPREY convert --backbone "$BACKBONE" --target $TARGET \
-  --draft-vocab-from $SHIPPED --output "$OUT/osprey-init"
-case $DRAFTER in
-  scratch|eagle3) [ -f "$OUT/$DRAFTER-init/model.safetensors" ] || $OSPREY baseline "$DRAFTER" \
-    --like "$OUT/osprey-init" --output "$OUT/$DRAFTER-init" ;;
-esac
+init() {  # init DRAFTER: its init, rebuilt the same way on every machine
+  local backbone=$OUT/backbone
+  [ -f "$backbone/model.safetensors" ] || $OSPREY unpack --checkpoint "$BACKBONE_PACK" --output "$backbone" || return 1
+  [ -f "$OUT/osprey-init/model.safetensors" ] || $OSPREY convert --backbone "$backbone" --target $TARGET \
+    --draft-vocab-from $SHIPPED --output "$OUT/osprey-init" || return 1
+  case $1 in
+    scratch|eagle3) [ -f "$OUT/$1-init/model.safetensors" ] || $OSPREY baseline "$1" \
+      --like "$OUT/osprey-init" --output "$OUT/$1-init" || return 1 ;;
+  esac
+}
 
 # The budget in steps of the config's batch, from the feature cache's own token count; the curve's points are
 # fractions of it.
@@ -81,24 +93,84 @@ print(steps, *(steps // d for d in (16, 8, 4, 2)))
 PY
 }
 
-curve() {  # tau of each kept point (and the final drafter) with no row yet in its results file
-  local kept step
-  for kept in "$OUT/$DRAFTER/kept"/step-* "$OUT/$DRAFTER"; do
+commit_results() {  # commit_results MESSAGE FILE...: with COMMIT=1, results files are committed as they are made
+  [ "${COMMIT:-0}" = 1 ] || return 0
+  local message=$1; shift
+  git add -- "$@" && { git diff --cached --quiet -- "$@" || git commit -q -m "$message" -- "$@"; }
+}
+
+curve() {  # curve DRAFTER: tau of each kept point (and the final drafter) with no row yet in its results file
+  local kept step results
+  for kept in "$OUT/$1/kept"/step-* "$OUT/$1"; do
     [ -f "$kept/model.safetensors" ] || continue
     step=$(step_of "$kept")
-    tau_subset "benchmarks/results/full-budget-$TARGET-step$step.json" --drafter "$DRAFTER=$kept"
+    results=benchmarks/results/full-budget-$TARGET-step$step.json
+    tau_subset "$results" --drafter "$1=$kept"
+    commit_results "Full-budget learning curve: tau of $1 at step $step" "${results%.json}".*
   done
 }
-if [ "$MODE" = curve ]; then curve; exit 0; fi
 
-features
-read -r STEPS KEEP <<< "$(plan)"
-[ -n "$KEEP" ] || { log "could not read the budget from $FEATURES/feature_cache.json"; exit 1; }
-log "$DRAFTER: $STEPS steps ($TOKEN_PASSES token-passes), curve points at steps $KEEP and $STEPS"
-PACK_ARGS=(--reference "$OUT/$DRAFTER-init" --delta-bits 4)
+train() {  # train DRAFTER: returns 0 when trained, 3 when its chunks ran out (rerun), 1 on failure
+  local steps keep rc=0
+  init "$1" || return 1
+  features || return 1
+  read -r steps keep <<< "$(plan)"
+  [ -n "$keep" ] || { log "could not read the budget from $FEATURES/feature_cache.json"; return 1; }
+  log "$1: $steps steps ($TOKEN_PASSES token-passes), curve points at steps $keep and $steps"
+  PACK_ARGS=(--reference "$OUT/$1-init" --delta-bits 4)
+  train_in_chunks "$OUT/$1" "$PACKED/$1" $OSPREY distill --config "$CONFIG" --feature-cache "$FEATURES" \
+    --drafter "$OUT/$1-init" --output "$OUT/$1" --max-steps "$steps" --keep-steps $keep || rc=$?
+  if [ "${CURVE:-1}" = 1 ]; then curve "$1"; fi  # CURVE=0 leaves the benches for later (`curve`)
+  return $rc
+}
+
+SUITES=(--prompts spec_bench --prompts mt_bench --prompts humaneval --prompts mmath)
+TUNED=benchmarks/results/tuned-methods-full-budget-$TARGET.json
+RESULTS=benchmarks/results/replication-$TARGET.json
+bench() {  # the tuning on held-out prompts, then the one-run bench with each method's tuned settings
+  local drafter drafters=()
+  for drafter in osprey scratch eagle3; do
+    [ -f "$PACKED/$drafter/final/osprey_pack.json" ] || { log "$drafter is not trained yet: run train $drafter"; return 1; }
+    if [ ! -f "$OUT/$drafter/model.safetensors" ]; then
+      init "$drafter" || return 1
+      $OSPREY unpack --checkpoint "$PACKED/$drafter/final" --output "$OUT/$drafter" || return 1
+    fi
+    drafters+=(--drafter "$drafter=$OUT/$drafter")
+  done
+  if [ ! -f "$TUNED" ]; then
+    log "tuning each method's drafting on held-out prompts -> $TUNED"
+    $PYTHON benchmarks/replication/tune_methods.py --target $TARGET --dtype bfloat16 "${drafters[@]}" \
+      --sps qwen2.5-coder-0.5b-instruct --pld 2,4,8 "${SUITES[@]}" --bench-per-category 2 --seed 0 \
+      --num-draft-tokens 3,5 --confidence-threshold 0,0.3 --draft-topk 3 --tree-size 4,8 --prompt-lookup 8 \
+      --drafter-quantization int8 --max-new-tokens 32 --output "$TUNED" || return 1
+    commit_results "Full-budget Qwen: each method's drafting tuned on held-out prompts" "${TUNED%.json}".*
+  fi
+  log "the bench -> $RESULTS"
+  $OSPREY bench --target $TARGET "${drafters[@]}" --baselines target,pld,sps:qwen2.5-coder-0.5b-instruct \
+    --draft-topk 3 --prompt-lookup-num-tokens 8 --drafter-quantization int8 --method-settings "$TUNED" \
+    "${SUITES[@]}" --per-category 2 --max-new-tokens 64 --seed 0 --dtype bfloat16 --output "$RESULTS" || return 1
+  {  # chains against every control, then each tree shape against the controls' same shape
+    $PYTHON benchmarks/replication/ratios.py "$RESULTS" --controls scratch eagle3 sps pld target &&
+    $PYTHON benchmarks/replication/ratios.py "$RESULTS" --drafter osprey-tree \
+      --controls scratch-tree eagle3-tree &&
+    $PYTHON benchmarks/replication/ratios.py "$RESULTS" --drafter osprey-tree-lookup \
+      --controls scratch-tree-lookup eagle3-tree-lookup
+  } > "${RESULTS%.json}-ratios.txt" || return 1
+  cat "${RESULTS%.json}-ratios.txt"
+  commit_results "Full-budget Qwen: the replication bench" "${RESULTS%.json}".* "${RESULTS%.json}-ratios.txt"
+}
+
 rc=0
-train_in_chunks "$OUT/$DRAFTER" "$PACKED/$DRAFTER" $OSPREY distill --config "$CONFIG" --feature-cache "$FEATURES" \
-  --drafter "$OUT/$DRAFTER-init" --output "$OUT/$DRAFTER" --max-steps "$STEPS" --keep-steps $KEEP || rc=$?
-[ "${CURVE:-1}" = 1 ] && curve  # CURVE=0 leaves the benches for later (`curve`)
-[ $rc -eq 3 ] && exit 0  # chunks ran out: rerun to continue
+case $MODE in
+  curve) curve "$2" ;;
+  train) train "$2" || rc=$?; [ $rc -eq 3 ] && rc=0 ;;  # chunks ran out: rerun to continue
+  bench) bench || rc=$? ;;
+  all)
+    for drafter in osprey scratch eagle3; do
+      train "$drafter" || rc=$?
+      [ $rc -eq 0 ] || break
+    done
+    if [ $rc -eq 0 ]; then bench && log "done" || rc=$?; fi
+    [ $rc -eq 3 ] && { log "rerun to continue"; rc=0; } ;;
+esac
 exit $rc

@@ -64,9 +64,9 @@ def main() -> None:
             f"drafter:{args.drafter}:{method_name(k, n, lookup)}",
             drafter=drafter,
             tree=k > 1,
-            tree_shape=(k, n) if k > 1 else None,
             lookup=lookup > 0,
-            lookup_num_tokens=lookup or None,
+            overrides=(dict(draft_topk=k, tree_size=n) if k > 1 else {})
+            | (dict(prompt_lookup_num_tokens=lookup) if lookup else {}),
         )
         for k, n, lookup in shapes
     ]
