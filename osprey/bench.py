@@ -400,6 +400,9 @@ DRAFTER_METHODS = {
     ("custom", True, True): ("custom-tree-lookup", "-custom-tree-lookup", "custom", True, True),
 }
 
+# A drafter method's (route, tree, lookup) by its spec kind.
+DRAFTER_KINDS = {spec_kind: (route, tree, lookup) for spec_kind, _, route, tree, lookup in DRAFTER_METHODS.values()}
+
 
 def expand_drafter_methods(
     pairs: list[tuple[str, str]], routes: list[str], trees: bool, lookup: bool = False
@@ -453,9 +456,8 @@ def load_method(
 
     kind, _, argument = spec.partition(":")
     own = dict(overrides=dict(overrides or {}))
-    drafter_kinds = {spec_kind: (route, tree, lookup) for spec_kind, _, route, tree, lookup in DRAFTER_METHODS.values()}
-    if kind in drafter_kinds:
-        route, tree, lookup = drafter_kinds[kind]
+    if kind in DRAFTER_KINDS:
+        route, tree, lookup = DRAFTER_KINDS[kind]
         drafter = load_drafter(argument, dtype, device, quantization=drafter_quantization)
         folder = custom_generate_folder(drafter, argument) if route == "custom" else drafter.name_or_path
         return BenchMethod(

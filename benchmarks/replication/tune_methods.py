@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from osprey.bench import BenchMethod, BenchSettings, load_method, run_benchmark
+from osprey.bench import DRAFTER_KINDS, DRAFTER_METHODS, BenchMethod, BenchSettings, load_method, run_benchmark
 from osprey.bench_suites import load_suite, select_subset
 from osprey.zoo import load_causal_lm, load_tokenizer
 
@@ -55,17 +55,16 @@ def candidates(args) -> list[tuple[str, str, str, dict]]:
     trees = [
         dict(num_draft_tokens=n, confidence_threshold=0.0, draft_topk=args.draft_topk, tree_size=size)
         for n in lengths
-        for size in sizes
+        for size in (sizes if args.draft_topk > 1 else [])
     ]
-    shapes = trees if args.draft_topk > 1 else [dict(num_draft_tokens=n, confidence_threshold=0.0) for n in lengths]
+    shapes = trees or [dict(num_draft_tokens=n, confidence_threshold=0.0) for n in lengths]  # under the lookup branch
+    with_lookup = [own | dict(prompt_lookup_num_tokens=n) for n in lookups for own in shapes]
     found = []
     for spec in args.drafter:
         name, _, location = spec.partition("=")
-        found += [(name, "drafter", location, own) for own in chains]
-        found += [(f"{name}-tree", "drafter-tree", location, own) for own in (trees if args.draft_topk > 1 else [])]
-        lookup = f"{name}-tree-lookup" if args.draft_topk > 1 else f"{name}-lookup"
-        kind = "drafter-tree-lookup" if args.draft_topk > 1 else "drafter-lookup"
-        found += [(lookup, kind, location, own | dict(prompt_lookup_num_tokens=n)) for n in lookups for own in shapes]
+        for tree, lookup, grid in ((False, False, chains), (True, False, trees), (bool(trees), True, with_lookup)):
+            spec_kind, suffix, *_ = DRAFTER_METHODS["standalone", tree, lookup]  # named as the bench names them
+            found += [(name + suffix, spec_kind, location, own) for own in grid]
     if args.sps:
         found += [("sps", "sps", args.sps, own) for own in chains]
     found += [("pld", "pld", "", dict(prompt_lookup_num_tokens=int(n))) for n in filter(None, args.pld.split(","))]
@@ -118,22 +117,11 @@ def main() -> None:
     methods = [BenchMethod("target", "target")]
     for _, name, spec, own in grid:
         kind, _, location = spec.partition(":")
-        base = f"drafter:{location}" if kind.startswith("drafter") else spec
+        base = f"drafter:{location}" if kind in DRAFTER_KINDS else spec
         if base not in loaded:
             loaded[base] = load_method(name, base, tokenizer, dtype, "cpu", args.drafter_quantization)
-        model = loaded[base]
-        methods.append(
-            BenchMethod(
-                name,
-                spec,
-                drafter=model.drafter,
-                assistant=model.assistant,
-                prompt_lookup_num_tokens=model.prompt_lookup_num_tokens,
-                tree="tree" in kind,
-                lookup="lookup" in kind,
-                overrides=own,
-            )
-        )
+        _, tree, lookup = DRAFTER_KINDS.get(kind, ("standalone", False, False))
+        methods.append(replace(loaded[base], name=name, spec=spec, tree=tree, lookup=lookup, overrides=own))
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens, seed=args.seed, drafter_quantization=args.drafter_quantization
     )
