@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
+from transformers.trainer_utils import has_length
 from trl import TrlParser
 
 from modeling_osprey.modeling_osprey import OspreyTTTCache
@@ -250,6 +252,24 @@ class DistillDataCollator:
         return batch
 
 
+class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
+    """transformers' `LengthGroupedSampler` (a random permutation cut into mega-batches of 50 batches, each sorted by
+    length, so a batch pads little) whose permutation is drawn from `seed + epoch`: a run resumed from a checkpoint
+    replays its epoch's order exactly, as accelerate's seedable random sampler does for the random strategy."""
+
+    def __init__(self, batch_size: int, lengths: list[int], seed: int):
+        super().__init__(batch_size, lengths=lengths)
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))
+
+
 class OspreyDistillTrainer(Trainer):
     """A [`~transformers.Trainer`] distilling an [`OspreyForDrafting`] drafter against a frozen target by TTT.
 
@@ -324,6 +344,20 @@ class OspreyDistillTrainer(Trainer):
 
     def _build_accelerator_args(self, **kwargs):
         return compile_with_dynamic_shapes(super()._build_accelerator_args(**kwargs))
+
+    def _get_train_sampler(self, train_dataset=None):
+        """`train_sampling_strategy: group_by_length` batches sequences of similar length, read from a feature
+        cache's index (not by loading every sequence) and in an order a resumed run replays exactly."""
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        if self.args.train_sampling_strategy != "group_by_length" or not has_length(dataset):
+            return super()._get_train_sampler(train_dataset)
+        if isinstance(dataset, FeatureCacheDataset):
+            lengths = dataset.lengths
+        else:
+            lengths = [len(input_ids) for input_ids in dataset["input_ids"]]
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        batch_size = self.args.train_batch_size * self.args.gradient_accumulation_steps
+        return EpochSeededLengthGroupedSampler(batch_size, lengths, seed)
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:

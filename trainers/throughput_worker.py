@@ -21,6 +21,12 @@ percent to small ops. The TTT loss eager against compiled (bf16 autocast) on a r
 
     python trainers/throughput_worker.py compiled-ttt FEATURE_CACHE DRAFTER [BATCHES]
 
+A real distillation (a feature cache, a drafter and a YAML config, with `FLAG=VALUE` overrides such as
+`train_sampling_strategy=group_by_length` or `torch_compile=true`) for STEPS timed steps after WARMUP, counting the
+tokens each batch trains on and the positions it computes (padding included), for `benchmarks/distill_batching.py`:
+
+    python trainers/throughput_worker.py real-distill FEATURE_CACHE DRAFTER CONFIG STEPS WARMUP [FLAG=VALUE ...]
+
 The loss kernels alone, per chunk of rows (default 256 x 32,000):
 
     OMP_NUM_THREADS=1 python trainers/throughput_worker.py loss-kernels [ROWS] [VOCAB]
@@ -441,6 +447,52 @@ def compiled_ttt_worker(feature_cache: str, drafter_path: str, batches: int = 2)
     return {**losses, "max_abs_difference": round(difference, 4)}
 
 
+def real_distill_worker(feature_cache: str, drafter_path: str, config_path: str, steps: int, warmup: int, *flags):
+    """`osprey distill`'s trainer on a real feature cache and drafter for `warmup` + `steps` steps: tokens per second
+    over the timed steps, counting the tokens the batches hold (not their padding), and the share of padding."""
+    import yaml
+
+    from osprey.pack import load_drafter
+    from trainers.distill import DistillDataCollator, OspreyDistillConfig, OspreyDistillTrainer
+    from trainers.feature_cache import FeatureCacheDataset
+
+    class CountingCollator(DistillDataCollator):
+        def __call__(self, examples):
+            batch = super().__call__(examples)
+            batches.append((int(batch["attention_mask"].sum()), batch["attention_mask"].numel()))
+            return batch
+
+    batches: list[tuple[int, int]] = []  # (tokens, positions) of every batch, in training order
+    settings = yaml.safe_load(Path(config_path).read_text())
+    settings.update({key: yaml.safe_load(value) for key, value in (flag.split("=", 1) for flag in flags)})
+    settings.update(eval_strategy="no", save_strategy="no", logging_steps=1000, disable_tqdm=True, report_to="none")
+    timer = _StepTimer()
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = OspreyDistillConfig(output_dir=output_dir, max_steps=warmup + steps, **settings)
+        trainer = OspreyDistillTrainer(
+            load_drafter(drafter_path),
+            config,
+            train_dataset=FeatureCacheDataset(feature_cache),
+            data_collator=CountingCollator(),
+            callbacks=[timer.callback],
+        )
+        trainer.train()
+    per_step = config.gradient_accumulation_steps
+    timed = batches[warmup * per_step : (warmup + steps) * per_step]
+    tokens, positions = sum(batch[0] for batch in timed), sum(batch[1] for batch in timed)
+    wall = sum(step[0] for step in timer.steps[warmup:])
+    return {
+        "flags": list(flags),
+        "steps": steps,
+        "warmup_steps": warmup,
+        "tokens": tokens,
+        "padding_share": round(1 - tokens / positions, 4),
+        "wall_s": round(wall, 1),
+        "tokens_per_s": round(tokens / wall, 1),
+        "step_wall_s": [round(step[0], 2) for step in timer.steps],
+    }
+
+
 PROFILE_PARTS = {  # part of a profiled step: substrings of the op names it sums
     "matmul": ("aten::mm", "aten::bmm", "aten::addmm"),
     "loss kernels (compiled)": ("CompiledFxGraph",),
@@ -505,6 +557,7 @@ def main(argv: list[str]) -> int:
             rest[0], *map(int, rest[1:2]), shapes="shapes" in rest[2:], compile="compile" in rest[2:]
         ),
         "compiled-ttt": lambda: compiled_ttt_worker(rest[0], rest[1], *map(int, rest[2:3])),
+        "real-distill": lambda: real_distill_worker(*rest[:3], int(rest[3]), int(rest[4]), *rest[5:]),
         "configs": lambda: {"distill": DISTILL_CONFIGS, "pretrain": PRETRAIN_CONFIG, "pretrain_model": SMOLLM2_2L},
     }
     print(json.dumps(workers[kind]()))
