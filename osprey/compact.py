@@ -20,15 +20,17 @@ tensor of a checkpoint in the cheapest exact-enough form:
   (two per byte, error 1/28 of the change), half the size.
 - otherwise int8 rows (`--dtype int8`, matrices only: norms and vectors stay as they are) or bfloat16.
 
-Other files of at least 1 MiB identical to the reference's, or to its tokenizer as `save_pretrained` writes it (the
-11 MB Qwen tokenizer in a trainer's checkpoint), are rebuilt from it too, checked by SHA-256. The rest (config,
-trainer state, remote code, chat template) is copied, so a pack does not depend on a reference's small files, which
-change with the library that wrote them (when the reference is a drafter's init, rebuilt later). A trainer's
+Files other than tensors travel in the pack: copied, or gzipped from 1 MiB on (the 11 MB Qwen tokenizer in a
+trainer's checkpoint becomes 2 MB) and checked by SHA-256 at unpack. They are never rebuilt from the reference,
+because the library that writes them changes their bytes: a config's `transformers_version`, a re-saved tokenizer,
+a drafter init's remote code, rebuilt on a later machine. (Packs written before 2026-12-04 may still record such a
+file as taken from the reference, `"from": "file"` or `"tokenizer"`; `unpack` reads them as before.) A trainer's
 `optimizer.pt` keeps its parameter groups but not its moments, so `Trainer` can still resume the learning-rate
 schedule from a packed checkpoint (Adam's moments restart from zero). `unpack` writes an ordinary
 checkpoint directory back.
 """
 
+import gzip
 import hashlib
 import json
 import os
@@ -49,7 +51,7 @@ PACK_FORMAT = 1
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 SKIPPED_FILES = ("optimizer.pt",)  # rewritten without its moments, see `_strip_optimizer`
 MAX_COPIED_FILE_BYTES = 32 * 2**20
-MIN_REFERENCED_FILE_BYTES = 2**20  # smaller files are copied, not rebuilt from the reference
+MIN_GZIPPED_FILE_BYTES = 2**20  # smaller files are copied as they are
 PACK_DTYPES = ("int8", "bfloat16")
 DELTA_BITS = (4, 8)
 DRAFT_ROWS = "draft_to_target"  # a drafter's draft-vocabulary ids: its LM head's rows in the target's vocabulary
@@ -263,31 +265,25 @@ def pack(
     delta_bits: int = 8,
 ) -> Path:
     """Writes `model_dir`'s checkpoint to `output_dir` in the compact form described in the module docstring:
-    its tensors as `pack_tensors` stores them, its other files rebuilt from the reference or copied."""
+    its tensors as `pack_tensors` stores them, its other files copied (gzipped from 1 MiB on)."""
     model_dir, output_dir = Path(model_dir), require_empty_output_dir(output_dir)
     config = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() else {}
     stored, manifest = pack_tensors(_read_state_dict(model_dir), reference, config, dtype, delta_bits)
-    ref_dir = _reference_dir(manifest)
     files = {}
     output_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as resaved:
-        resaved = Path(resaved)
-        if ref_dir is not None:
-            _save_reference_tokenizer(ref_dir, resaved)
-        for path in sorted(model_dir.iterdir()):
-            if not path.is_file() or path.name in WEIGHT_FILES or path.name.startswith("model-"):
-                continue
-            digest = _file_sha256(path)
-            if path.name == "optimizer.pt":
-                _strip_optimizer(path, output_dir / path.name)
-            elif ref_dir is None or path.stat().st_size < MIN_REFERENCED_FILE_BYTES:
-                _copy_small(path, output_dir)
-            elif _file_sha256(ref_dir / path.name) == digest:
-                files[path.name] = {"sha256": digest, "from": "file"}  # taken from the reference at unpack
-            elif _file_sha256(resaved / path.name) == digest:
-                files[path.name] = {"sha256": digest, "from": "tokenizer"}  # the reference's tokenizer, as saved
-            else:
-                _copy_small(path, output_dir)
+    for path in sorted(model_dir.iterdir()):
+        if not path.is_file() or path.name in WEIGHT_FILES or path.name.startswith("model-"):
+            continue
+        if path.name == "optimizer.pt":
+            _strip_optimizer(path, output_dir / path.name)
+        elif path.stat().st_size > MAX_COPIED_FILE_BYTES:
+            raise ValueError(f"{path} is {path.stat().st_size / 2**20:.0f} MiB: too large to pack; remove it.")
+        elif path.stat().st_size < MIN_GZIPPED_FILE_BYTES:
+            shutil.copy2(path, output_dir / path.name)
+        else:
+            with path.open("rb") as source, gzip.GzipFile(output_dir / f"{path.name}.gz", "wb", mtime=0) as target:
+                shutil.copyfileobj(source, target)
+            files[path.name] = {"sha256": _file_sha256(path), "from": "gzip"}
     write_pack(output_dir, stored, manifest | {"files": files})
     return output_dir
 
@@ -296,12 +292,6 @@ def _reference_dir(manifest: dict) -> Path | None:
     from .zoo import resolve_model_path
 
     return Path(resolve_model_path(manifest["reference"])) if manifest.get("reference") is not None else None
-
-
-def _copy_small(path: Path, output_dir: Path) -> None:
-    if path.stat().st_size > MAX_COPIED_FILE_BYTES:
-        raise ValueError(f"{path} is {path.stat().st_size / 2**20:.0f} MiB: too large to pack; remove it.")
-    shutil.copy2(path, output_dir / path.name)
 
 
 def _save_reference_tokenizer(directory: Path, output_dir: Path) -> None:
@@ -387,17 +377,23 @@ def unpack(packed_dir: str | os.PathLike, output_dir: str | os.PathLike, dtype: 
         state_dict = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state_dict.items()}
     output_dir.mkdir(parents=True, exist_ok=True)
     save_file(state_dict, output_dir / "model.safetensors", metadata={"format": "pt"})
+    files = manifest.get("files", {})
+    gzipped = {f"{name}.gz" for name, file in files.items() if file["from"] == "gzip"}
     for path in sorted(packed_dir.iterdir()):
-        if path.is_file() and path.name not in (PACK_MANIFEST, PACK_WEIGHTS):
+        if path.is_file() and path.name not in (PACK_MANIFEST, PACK_WEIGHTS, *gzipped):
             shutil.copy2(path, output_dir / path.name)
     with tempfile.TemporaryDirectory() as resaved:
         resaved = Path(resaved)
-        files = manifest.get("files", {})
-        ref_dir = _reference_dir(manifest) if files else None
-        if any(file["from"] == "tokenizer" for file in files.values()):
-            _save_reference_tokenizer(ref_dir, resaved)
+        if any(file["from"] == "tokenizer" for file in files.values()):  # an older pack's references
+            _save_reference_tokenizer(_reference_dir(manifest), resaved)
         for name, file in files.items():
-            source = (ref_dir if file["from"] == "file" else resaved) / name
+            if file["from"] == "gzip":
+                with gzip.open(packed_dir / f"{name}.gz", "rb") as source, (output_dir / name).open("wb") as target:
+                    shutil.copyfileobj(source, target)
+                if _file_sha256(output_dir / name) != file["sha256"]:
+                    raise ValueError(f"{packed_dir / name}.gz does not unpack to the file that was packed.")
+                continue
+            source = (_reference_dir(manifest) if file["from"] == "file" else resaved) / name
             _check(_file_sha256(source), file["sha256"], name, manifest["reference"], name)
             shutil.copy2(source, output_dir / name)
     return output_dir

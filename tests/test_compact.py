@@ -1,6 +1,8 @@
 """Compact checkpoints (`osprey pack` / `osprey unpack`): what references the zoo model is rebuilt exactly and checked,
 the rest comes back within the stated int8 error."""
 
+import gzip
+import hashlib
 import json
 import shutil
 
@@ -39,7 +41,7 @@ def int8_row_bound(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def test_pack_references_frozen_copies_and_stores_changes_as_int8_deltas(parent_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr("osprey.compact.MIN_REFERENCED_FILE_BYTES", 0)  # these small files stand in for large ones
+    monkeypatch.setattr("osprey.compact.MIN_GZIPPED_FILE_BYTES", 0)  # these small files stand in for large ones
     model_dir = pruned_and_trained(parent_dir, tmp_path)
     (model_dir / "trainer_state.json").write_text('{"global_step": 7}')
     (parent_dir / "vocab.txt").write_text("a vocabulary file")
@@ -49,8 +51,8 @@ def test_pack_references_frozen_copies_and_stores_changes_as_int8_deltas(parent_
     tokenizer_files = sorted(path.name for path in model_dir.glob("tokenizer*"))
     packed = pack(model_dir, tmp_path / "packed", reference=str(parent_dir))
     files = json.loads((packed / PACK_MANIFEST).read_text())["files"]
-    assert {*tokenizer_files, "vocab.txt"} <= set(files) and not (packed / "vocab.txt").exists()
-    assert "config.json" not in files and (packed / "config.json").is_file()  # the pruned config is the model's own
+    assert {files[name]["from"] for name in [*tokenizer_files, "vocab.txt", "config.json"]} == {"gzip"}
+    assert (packed / "vocab.txt.gz").is_file() and not (packed / "vocab.txt").exists()
     entries = json.loads((packed / PACK_MANIFEST).read_text())["tensors"]
     kinds = {name: entry["kind"] for name, entry in entries.items()}
     assert kinds["model.embed_tokens.weight"] == kinds["lm_head.weight"] == "ref"
@@ -121,12 +123,6 @@ def test_without_a_reference_matrices_are_int8_rows_within_half_a_step(tmp_path)
 def test_a_changed_reference_is_refused_with_the_fix(parent_dir, tmp_path):
     model_dir = pruned_and_trained(parent_dir, tmp_path)
     packed = pack(model_dir, tmp_path / "packed", reference=str(parent_dir))
-    (parent_dir / "vocab.txt").write_text("{}" * 2**20)  # large files are taken from the reference
-    shutil.copy(parent_dir / "vocab.txt", model_dir / "vocab.txt")
-    packed_with_file = pack(model_dir, tmp_path / "packed-file", reference=str(parent_dir))
-    (parent_dir / "vocab.txt").write_text('{"changed": 1}' * 2**20)
-    with pytest.raises(ValueError, match="'vocab.txt' rebuilt from .*does not match the SHA-256"):
-        unpack(packed_with_file, tmp_path / "restored-file")
     weights = load_file(parent_dir / "model.safetensors")
     weights["model.embed_tokens.weight"][7, 0] += 1.0
     save_file(weights, str(parent_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -138,23 +134,45 @@ def test_a_changed_reference_is_refused_with_the_fix(parent_dir, tmp_path):
         unpack(model_dir, tmp_path / "other")
 
 
-def test_small_files_travel_with_the_pack_so_a_later_reference_may_differ_in_them(parent_dir, tmp_path):
+def test_a_file_an_older_pack_takes_from_the_reference_is_still_rebuilt_and_checked(parent_dir, tmp_path):
+    """Packs written before 2026-12-04 record large files identical to the reference's as `"from": "file"`."""
+    model_dir = pruned_and_trained(parent_dir, tmp_path)
+    for directory in (parent_dir, model_dir):
+        (directory / "vocab.txt").write_text("{}" * 2**20)
+    packed = pack(model_dir, tmp_path / "packed", reference=str(parent_dir))
+    manifest = json.loads((packed / PACK_MANIFEST).read_text())
+    manifest["files"]["vocab.txt"]["from"] = "file"
+    (packed / PACK_MANIFEST).write_text(json.dumps(manifest))
+    (packed / "vocab.txt.gz").unlink()
+    assert (unpack(packed, tmp_path / "restored") / "vocab.txt").read_text() == "{}" * 2**20
+    (parent_dir / "vocab.txt").write_text('{"changed": 1}' * 2**20)
+    with pytest.raises(ValueError, match="'vocab.txt' rebuilt from .*does not match the SHA-256"):
+        unpack(packed, tmp_path / "restored-again")
+
+
+def test_files_travel_with_the_pack_so_a_later_reference_may_differ_in_them(parent_dir, tmp_path):
     """A drafter's checkpoint packed against its own init: the init is rebuilt on the next machine by a later
-    version of the library, whose remote code and configs may differ. Only large files (a tokenizer) are taken from
-    the reference; the small ones are copied, so the pack unpacks exactly against that later reference."""
+    version of the library, whose remote code, configs and saved tokenizer may differ. Files other than tensors are
+    copied, large ones (a tokenizer) gzipped, so the pack unpacks exactly against that later reference."""
     model_dir = pruned_and_trained(parent_dir, tmp_path)
     for directory in (parent_dir, model_dir):
         (directory / "modeling_osprey.py").write_text("# the library's remote code\n")
         (directory / "big.bin").write_bytes(b"x" * 2**20)
     packed = pack(model_dir, tmp_path / "packed", reference=str(parent_dir))
-    assert set(json.loads((packed / PACK_MANIFEST).read_text())["files"]) == {"big.bin"}
+    assert json.loads((packed / PACK_MANIFEST).read_text())["files"] == {
+        "big.bin": {"sha256": hashlib.sha256(b"x" * 2**20).hexdigest(), "from": "gzip"}
+    }
     assert (packed / "modeling_osprey.py").is_file() and not (packed / "big.bin").exists()
+    assert (packed / "big.bin.gz").stat().st_size < 2**20 / 100
     (parent_dir / "modeling_osprey.py").write_text("# a later version\n")
+    (parent_dir / "big.bin").write_bytes(b"y" * 2**20)
     restored = unpack(packed, tmp_path / "restored")
     assert (restored / "modeling_osprey.py").read_text() == "# the library's remote code\n"
     assert (restored / "big.bin").read_bytes() == b"x" * 2**20
-    (parent_dir / "big.bin").write_bytes(b"y" * 2**20)  # control: a referenced file is still checked
-    with pytest.raises(ValueError, match="'big.bin' rebuilt from .*does not match the SHA-256"):
+    assert not (restored / "big.bin.gz").exists()
+    with gzip.open(packed / "big.bin.gz", "wb") as file:  # control: what comes out of the pack is checked
+        file.write(b"z" * 2**20)
+    with pytest.raises(ValueError, match="big.bin.gz does not unpack to the file that was packed"):
         unpack(packed, tmp_path / "restored-again")
 
 
