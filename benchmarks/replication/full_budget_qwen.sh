@@ -6,7 +6,7 @@
 # answers, in the same order with the same seed and settings (distill-qwen-full-budget.yaml).
 #
 #   full_budget_qwen.sh features                   # the feature cache (~1.5 h of 2 cores, ~20 GB; recomputable)
-#   full_budget_qwen.sh train osprey|scratch|eagle3  # chunks of distillation (~6 h each): rerun until it says done
+#   full_budget_qwen.sh train osprey|scratch|eagle3  # chunks of distillation (~3.2 h each): rerun until it says done
 #   full_budget_qwen.sh curve osprey|scratch|eagle3  # tau of every learning-curve point not yet benched
 #   full_budget_qwen.sh bench                      # tune each method's drafting on held-out prompts, then the bench
 #   full_budget_qwen.sh all                        # all of the above in order (run.sh's): rerun until it says done
