@@ -997,25 +997,31 @@ def test_a_resumed_run_evaluates_and_saves_on_its_own_schedule(tmp_path):
     assert sorted(int(path.name.split("-")[1]) for path in (tmp_path / "run").glob("checkpoint-*")) == [2, 3, 6]
 
 
-def test_distillation_resumes_exactly(tmp_path):
-    target = make_tiny_target("llama")
+def assert_distillation_resumes_exactly(tmp_path, target, dataset, total_steps, interrupt_at, **settings):
+    """A distillation interrupted after `interrupt_at` steps and resumed from its checkpoint ends bit-identical to
+    the same run uninterrupted."""
 
     def make_trainer(output_dir, max_steps, save_steps=None):
         config = distill_config(
             tmp_path,
             output_dir=str(output_dir),
             max_steps=max_steps,
-            lr_scheduler_type="cosine",
             save_strategy="steps" if save_steps else "no",
             save_steps=save_steps or 500,
+            **settings,
         )
-        return OspreyDistillTrainer(
-            tiny_drafter(target), config, train_dataset=token_dataset(32, 12), target_model=target
-        )
+        return OspreyDistillTrainer(tiny_drafter(target), config, train_dataset=dataset, target_model=target)
 
-    expected, resumed = interrupted_and_resumed(tmp_path, make_trainer, total_steps=6, interrupt_at=2)
+    expected, resumed = interrupted_and_resumed(tmp_path, make_trainer, total_steps, interrupt_at)
     for name, tensor in expected.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_distillation_resumes_exactly(tmp_path):
+    target = make_tiny_target("llama")
+    assert_distillation_resumes_exactly(
+        tmp_path, target, token_dataset(32, 12), total_steps=6, interrupt_at=2, lr_scheduler_type="cosine"
+    )
 
 
 def test_length_grouped_batches_pad_less_and_resume_exactly(tmp_path):
@@ -1041,23 +1047,15 @@ def test_length_grouped_batches_pad_less_and_resume_exactly(tmp_path):
     assert padded_positions("group_by_length", 1) != grouped  # a new order each epoch
     assert padded_positions("group_by_length", 0) == grouped  # and the same order for the same epoch
 
-    def make_trainer(output_dir, max_steps, save_steps=None):
-        config = distill_config(
-            tmp_path,
-            output_dir=str(output_dir),
-            max_steps=max_steps,
-            train_sampling_strategy="group_by_length",
-            save_strategy="steps" if save_steps else "no",
-            save_steps=save_steps or 500,
-        )
-        return OspreyDistillTrainer(
-            tiny_drafter(target), config, train_dataset=dataset.select(range(40)), target_model=target
-        )
-
     # 10 batches an epoch: interrupted in the second epoch, at a step the random strategy would order differently.
-    expected, resumed = interrupted_and_resumed(tmp_path, make_trainer, total_steps=14, interrupt_at=12)
-    for name, tensor in expected.items():
-        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)
+    assert_distillation_resumes_exactly(
+        tmp_path,
+        target,
+        dataset.select(range(40)),
+        total_steps=14,
+        interrupt_at=12,
+        train_sampling_strategy="group_by_length",
+    )
 
 
 def test_compiled_distillation_trains_like_eager(tmp_path):
