@@ -444,6 +444,41 @@ def test_replication_ratios_join_another_bench_only_when_both_decoded_alike():
         ratios.with_drafters_from(bench("osprey", 1.5, "t"), {**bench("ablation", 1.2, "t"), "settings": {}})
 
 
+def test_full_budget_sample_efficiency_reads_each_drafters_own_rows_and_only_finished_controls(tmp_path, monkeypatch):
+    """Osprey's token-passes to reach a control's final value interpolate between Osprey's points; τ comes from the
+    drafter's own rows of each step's bench; a control still training has no final value to reach."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks" / "replication"))
+    curves = _replication_module("full_budget_curves")
+
+    def record(accuracies, max_steps):
+        evaluations = [{"step": step, "eval_ttt_acc_0": acc, "eval_ttt_acc_4": acc / 2} for step, acc in accuracies]
+        return {"log_history": evaluations, "max_steps": max_steps, "global_step": accuracies[-1][0]}
+
+    for step, taus in ((2, {"osprey": 1.2, "scratch": 1.1}), (4, {"osprey": 1.6, "scratch": 1.5})):
+        rows = [dict(_request(method, "p", tau), category="translation") for method, tau in taus.items()]
+        (tmp_path / f"full-budget-t-step{step}.json").write_text(json.dumps({"requests": rows}))
+    runs = {
+        "osprey": record([(2, 0.3), (4, 0.5)], 4),
+        "scratch": record([(2, 0.2), (4, 0.4)], 4),
+        "eagle3": record([(2, 0.1)], 4),
+    }
+    report = {
+        name: {
+            "finished": run["global_step"] >= run["max_steps"],
+            "points": curves.curve(name, run, tmp_path, "t", token_passes=1000),
+        }
+        for name, run in runs.items()
+    }
+    assert [p["tau overall"] for p in report["scratch"]["points"]] == [1.1, 1.5]
+    efficiency = curves.sample_efficiency(report)
+    assert set(efficiency) == {"scratch"}
+    assert efficiency["scratch"]["heldout_ttt_acc_0"]["osprey_token_passes_to_reach"] == 750
+    assert efficiency["scratch"]["heldout_ttt_acc_0"]["share_of_control_tokens"] == 0.75
+    assert efficiency["scratch"]["tau out of domain"]["share_of_control_tokens"] == 0.875
+
+
 def _trainer_state(folder, evaluations, global_step, epoch):
     folder.mkdir(parents=True)
     history = [
