@@ -13,7 +13,7 @@ space. Verification stays lossless with a quantized drafter: only how often draf
 
 A drafter made from a zoo backbone packs far smaller against it (`osprey pack --drafter DIR --reference ZOO_NAME
 [--delta-bits 4]`): its frozen copies of the backbone's tensors (the embedding) are rebuilt from the zoo model and
-checked by SHA-256, its trained blocks and head stored as int8 or int4 changes from the tensors they started as
+checked by SHA-256, its trained blocks and head stored as int8, int4 or 3-bit changes from the tensors they started as
 (`osprey.compact`). A Qwen2.5-0.5B-based drafter: 36-50 MiB instead of 762 MiB in float32.
 
 What the packed formats store is decided by `write_packed_weights` and read back by `read_packed_weights`; the rest
@@ -226,16 +226,16 @@ def add_subcommand(subparsers) -> None:
     parser.add_argument(
         "--reference",
         help="zoo name or directory of the model the drafter or checkpoint was made from (tensors it copied or "
-        "changed are stored as references or int8 / int4 deltas)",
+        "changed are stored as references or int8 / int4 / 3-bit deltas)",
     )
     parser.add_argument("--dtype", choices=("int8", "bfloat16"), default="int8", help="--checkpoint: other matrices")
     parser.add_argument(
         "--delta-bits",
         type=int,
-        choices=(4, 8),
+        choices=(3, 4, 8),
         default=8,
         help="with --reference: bits per stored change against it (4: half the size, error 1/28 of a row's change "
-        "instead of 1/254)",
+        "instead of 1/254; 3: three eighths, error about a quarter of the change's norm)",
     )
     parser.set_defaults(run=_run_pack)
     parser = subparsers.add_parser("unpack", help="write a packed drafter or checkpoint as an ordinary checkpoint")

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_vocab_alignment import byte_level_tokenizer
 
-from osprey.compact import PACK_MANIFEST, pack, pack_size_mib, unpack
+from osprey.compact import PACK_MANIFEST, int3_clip, pack, pack_size_mib, unpack
 from osprey.prune import _rebuild
 
 
@@ -207,9 +207,10 @@ def test_cli_pack_and_unpack(parent_dir, tmp_path, capsys):
     assert not (tmp_path / "w").exists()
 
 
-def test_a_trained_draft_head_is_a_delta_from_its_reference_rows_and_int4_halves_the_deltas(parent_dir, tmp_path):
+def test_a_trained_draft_head_is_a_delta_from_its_reference_rows_and_fewer_bits_shrink_the_deltas(parent_dir, tmp_path):
     """A converted drafter's LM head starts as the reference's rows of its `draft_to_target` ids; after training it is
-    stored as the change from those rows. With delta_bits=4 each change comes back within half an int4 step."""
+    stored as the change from those rows. With delta_bits=4 (or 3) each change comes back within half an int4 (3-bit)
+    step, in half (three eighths) of the int8 size; 3-bit rows saturate at `int3_clip`."""
     embedding = load_file(parent_dir / "model.safetensors")["model.embed_tokens.weight"]
     draft_to_target = torch.tensor([7, 2, 300, 41, 5, 511])
     head = embedding[draft_to_target] + 0.05 * torch.randn(6, 64) * embedding[draft_to_target].abs().amax()
@@ -218,7 +219,7 @@ def test_a_trained_draft_head_is_a_delta_from_its_reference_rows_and_int4_halves
     save_file({"lm_head.weight": head, "other_head.weight": far, "draft_to_target": draft_to_target},
               str(tmp_path / "drafter" / "model.safetensors"))  # fmt: skip
     sizes = {}
-    for bits in (8, 4):
+    for bits in (8, 4, 3):
         packed = pack(tmp_path / "drafter", tmp_path / f"packed{bits}", reference=str(parent_dir), delta_bits=bits)
         entries = json.loads((packed / PACK_MANIFEST).read_text())["tensors"]
         assert entries["lm_head.weight"] | {"ref_sha256": None} == {
@@ -228,11 +229,15 @@ def test_a_trained_draft_head_is_a_delta_from_its_reference_rows_and_int4_halves
         assert entries["other_head.weight"]["kind"] == "int8"
         restored = load_file(unpack(packed, tmp_path / f"restored{bits}") / "model.safetensors")
         change = head - embedding[draft_to_target]
-        step = change.abs().amax(dim=1, keepdim=True) / (127 if bits == 8 else 7)
-        assert ((restored["lm_head.weight"] - head).abs() <= step / 2 + 1e-6).all()
+        clip = int3_clip(change) if bits == 3 else change.abs().amax(dim=1, keepdim=True)  # 3 bits saturate
+        step = clip / {8: 127, 4: 7, 3: 3}[bits]
+        error = (restored["lm_head.weight"] - head).abs()
+        assert ((error <= step / 2 + 1e-6) | (change.abs() > clip)).all()
+        assert (error - (change.abs() - clip).clamp(min=0) <= step / 2 + 1e-6).all()
+        assert error.norm() < {8: 0.01, 4: 0.15, 3: 0.3}[bits] * change.norm()
         assert not torch.equal(restored["lm_head.weight"], embedding[draft_to_target])
         assert torch.equal(restored["draft_to_target"], draft_to_target)
         sizes[bits] = load_file(packed / "packed.safetensors")["lm_head.weight"].numel()
-    assert sizes[4] * 2 == sizes[8]
+    assert sizes[4] * 2 == sizes[8] and sizes[3] * 8 == sizes[8] * 3
     with pytest.raises(ValueError, match="delta_bits must be one of"):
         pack(tmp_path / "drafter", tmp_path / "packed2", reference=str(parent_dir), delta_bits=2)

@@ -117,7 +117,10 @@ train() {  # train DRAFTER: returns 0 when trained, 3 when its chunks ran out (r
   read -r steps keep <<< "$(plan)"
   [ -n "$keep" ] || { log "could not read the budget from $FEATURES/feature_cache.json"; return 1; }
   log "$1: $steps steps ($TOKEN_PASSES token-passes), curve points at steps $keep and $steps"
-  PACK_ARGS=(--reference "$OUT/$1-init" --delta-bits 4)
+  # int4 changes against the init; EAGLE-3's 106 M trained parameters (its head, an MLP and `fc` at the target's
+  # width) would make a 55 MB int4 pack, above the 50 MB a committed product may take: 3-bit changes (~41 MB)
+  local bits=4; [ "$1" = eagle3 ] && bits=3
+  PACK_ARGS=(--reference "$OUT/$1-init" --delta-bits $bits)
   train_in_chunks "$OUT/$1" "$PACKED/$1" $OSPREY distill --config "$CONFIG" --feature-cache "$FEATURES" \
     --drafter "$OUT/$1-init" --output "$OUT/$1" --max-steps "$steps" --keep-steps $keep || rc=$?
   if [ "${CURVE:-1}" = 1 ]; then curve "$1"; fi  # CURVE=0 leaves the benches for later (`curve`)
