@@ -18,7 +18,7 @@
 # benchmarks/results/replication-qwen2.5-coder-1.5b-instruct.{json,md,png}, and ratios.py's tables.
 #
 # `train` cuts the run into chunks (stages.sh: train_in_chunks, CHUNK_MINUTES, MAX_CHUNKS); after each one its latest
-# checkpoint is packed against the drafter's own init (int4 changes; the init is rebuilt here from committed
+# checkpoint is packed against the drafter's own init (int4 changes, 3-bit for EAGLE-3; the init is rebuilt here from committed
 # products by deterministic commands, and every rebuilt tensor is checked by SHA-256 at unpack) into
 # benchmarks/checkpoints/full-budget-qwen2.5-coder-1.5b-instruct/DRAFTER, which COMMIT=1 commits. A fresh machine
 # unpacks it and resumes (Adam's moments restart); the pack records the init by its path, so keep RUNS (default
