@@ -18,8 +18,8 @@
 # benchmarks/results/replication-qwen2.5-coder-1.5b-instruct.{json,md,png}, and ratios.py's tables.
 #
 # `train` cuts the run into chunks (stages.sh: train_in_chunks, CHUNK_MINUTES, MAX_CHUNKS); after each one its latest
-# checkpoint is packed against the drafter's own init (int4 changes, 3-bit for EAGLE-3; the init is rebuilt here from committed
-# products by deterministic commands, and every rebuilt tensor is checked by SHA-256 at unpack) into
+# checkpoint is packed against the drafter's own init (int4 changes, 3-bit for EAGLE-3; the init is rebuilt here from
+# committed products by deterministic commands, and every rebuilt tensor is checked by SHA-256 at unpack) into
 # benchmarks/checkpoints/full-budget-qwen2.5-coder-1.5b-instruct/DRAFTER, which COMMIT=1 commits. A fresh machine
 # unpacks it and resumes (Adam's moments restart); the pack records the init by its path, so keep RUNS (default
 # /work/runs) the same there. The learning curve's points (1/16, 1/8, 1/4 and 1/2 of the steps,
