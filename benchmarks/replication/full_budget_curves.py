@@ -11,20 +11,19 @@ unfinished), and τ per group of prompts (`ratios.py`'s groups) from the fixed 2
 (`benchmarks/results/full-budget-TARGET-stepN.json`). Every drafter sees the same batches of the same data, so token-
 passes are the budget's share of its steps (5 M token-passes over 5,024 steps). A control's value is read at its last
 point only once its run has finished; Osprey's token-passes to reach it are interpolated linearly between Osprey's
-points (`qwen_curves.tokens_to_reach`).
+points (`qwen_curves.reaching`).
 """
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from qwen_curves import tokens_to_reach  # noqa: E402
-from ratios import group_of  # noqa: E402
+from qwen_curves import reaching  # noqa: E402
+from ratios import ratios  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DRAFTERS = ("osprey", "scratch", "eagle3")
@@ -56,12 +55,8 @@ def curve(drafter: str, record: dict, results: Path, target: str, token_passes: 
         }
         bench = results / f"full-budget-{target}-step{step}.json"
         if bench.is_file():
-            taus: dict[str, list[float]] = {}
-            for row in json.loads(bench.read_text())["requests"]:
-                if row["method"] == drafter and row["tau"] is not None:
-                    for group in group_of(row):
-                        taus.setdefault(group, []).append(row["tau"])
-            point |= {f"tau {group}": round(statistics.mean(taus[group]), 4) for group in GROUPS if group in taus}
+            table = ratios(json.loads(bench.read_text())["requests"], drafter=drafter, controls=())
+            point |= {f"tau {group}": round(table[group]["tau"][drafter], 4) for group in GROUPS if group in table}
         points.append(point)
     return points
 
@@ -77,15 +72,9 @@ def sample_efficiency(curves: dict[str, dict]) -> dict:
         for key in KEYS:
             if key not in final:
                 continue
-            reach = tokens_to_reach([point for point in osprey if key in point], final[key], key)
             efficiency.setdefault(control, {})[key] = {
                 "control_final": final[key],
-                "control_token_passes": final["token_passes"],
-                "osprey_token_passes_to_reach": reach["token_passes"],
-                "bound": reach["bound"],
-                "share_of_control_tokens": None
-                if reach["token_passes"] is None
-                else round(reach["token_passes"] / final["token_passes"], 3),
+                **reaching([point for point in osprey if key in point], final, key),
             }
     return efficiency
 

@@ -130,6 +130,20 @@ def with_mean(point: dict) -> dict:
     return point | {"heldout_ttt_acc_mean": round(sum(steps) / TTT_STEPS, 4)}
 
 
+def reaching(osprey: list[dict], final: dict, key: str) -> dict:
+    """How Osprey's curve reaches a control's `final` point in `key`: its token-passes and their share of the
+    control's."""
+    reach = tokens_to_reach(osprey, final[key], key)
+    return {
+        "control_token_passes": final["token_passes"],
+        "osprey_token_passes_to_reach": reach["token_passes"],
+        "bound": reach["bound"],
+        "share_of_control_tokens": None
+        if reach["token_passes"] is None
+        else round(reach["token_passes"] / final["token_passes"], 3),
+    }
+
+
 def sample_efficiency(osprey: list[dict], controls: dict[str, list[dict]], key: str = "heldout_ttt_acc_0") -> dict:
     """Per control: its last point's accuracy (`key`) and the share of its token-passes Osprey needs to reach it."""
     efficiency = {}
@@ -137,15 +151,9 @@ def sample_efficiency(osprey: list[dict], controls: dict[str, list[dict]], key: 
         if not curve:
             continue
         final = curve[-1]
-        reach = tokens_to_reach(osprey, final[key], key)
         efficiency[control] = {
             f"control_final_{key}": final[key],
-            "control_token_passes": final["token_passes"],
-            "osprey_token_passes_to_reach": reach["token_passes"],
-            "bound": reach["bound"],
-            "share_of_control_tokens": None
-            if reach["token_passes"] is None
-            else round(reach["token_passes"] / final["token_passes"], 3),
+            **reaching(osprey, final, key),
             f"osprey_{key}_at_equal_budget": next(
                 (p[key] for p in osprey if p["total_steps"] == final["total_steps"]), None
             ),
