@@ -55,7 +55,6 @@ SKIPPED_FILES = ("optimizer.pt",)  # rewritten without its moments, see `_strip_
 MAX_COPIED_FILE_BYTES = 32 * 2**20
 MIN_GZIPPED_FILE_BYTES = 2**20  # smaller files are copied as they are
 PACK_DTYPES = ("int8", "bfloat16")
-DELTA_BITS = (3, 4, 8)
 DRAFT_ROWS = "draft_to_target"  # a drafter's draft-vocabulary ids: its LM head's rows in the target's vocabulary
 # A matrix is stored by reference when at least this share of its rows are copies of one reference matrix's rows.
 MIN_REFERENCED_ROWS = 0.5
@@ -82,9 +81,14 @@ def _read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return state_dict
 
 
-def _int8_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows rounded to -127..127 times an absmax scale per row, and that scale."""
     scale = tensor.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
     return torch.round(tensor.float() / scale).to(torch.int8), scale.squeeze(1)
+
+
+def _from_int8_rows(packed: torch.Tensor, scale: torch.Tensor, columns: int) -> torch.Tensor:
+    return packed.float() * scale[:, None]
 
 
 def _int4_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,16 +134,15 @@ def _from_int3_rows(packed: torch.Tensor, scale: torch.Tensor, columns: int) -> 
     return (levels[:, :columns].float() - 4) * scale[:, None]
 
 
-def _quantized_rows(tensor: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return {3: _int3_rows, 4: _int4_rows}.get(bits, _int8_rows)(tensor)
+# Bits per stored value -> (rows to codes and a scale per row, and back): the delta widths `pack` offers; int8 also
+# stores a matrix without a reference (`dtype="int8"`).
+ROW_CODECS = {8: (int8_rows, _from_int8_rows), 4: (_int4_rows, _from_int4_rows), 3: (_int3_rows, _from_int3_rows)}
+DELTA_BITS = tuple(sorted(ROW_CODECS))
 
 
 def _dequantized_rows(stored: dict, name: str, entry: dict) -> torch.Tensor:
-    bits = entry.get("bits", 8)
-    if bits in (3, 4):
-        unpacked = _from_int3_rows if bits == 3 else _from_int4_rows
-        return unpacked(stored[name], stored[name + ".scale"], entry["shape"][1])
-    return stored[name].float() * stored[name + ".scale"][:, None]
+    """A stored int8 or delta matrix in float32 (`entry`'s bits, 8 when it records none)."""
+    return ROW_CODECS[entry.get("bits", 8)][1](stored[name], stored[name + ".scale"], entry["shape"][1])
 
 
 def _reference_name_map(config: dict) -> dict[str, str]:
@@ -261,17 +264,15 @@ def pack_tensors(
                 stored[name + ".patch"] = tensor[rows < 0].contiguous()
         elif (ref is not None and tensor.is_floating_point() and tensor.dim() == 2 and parent in ref.files
               and ref.shape(parent) == tuple(tensor.shape)):  # fmt: skip
-            stored[name], stored[name + ".scale"] = _quantized_rows(
-                tensor.float() - ref.get(parent).float(), delta_bits
-            )
+            stored[name], stored[name + ".scale"] = ROW_CODECS[delta_bits][0](tensor.float() - ref.get(parent).float())
             entry.update(kind="delta", ref=parent, ref_sha256=tensor_sha256(ref.get(parent)), bits=delta_bits)
         elif head_base is not None:
             base = ref.get(head_base)
             change = tensor.float() - base.float()[draft_rows]
-            stored[name], stored[name + ".scale"] = _quantized_rows(change, delta_bits)
+            stored[name], stored[name + ".scale"] = ROW_CODECS[delta_bits][0](change)
             entry.update(kind="delta", ref=head_base, ref_sha256=tensor_sha256(base), rows=DRAFT_ROWS, bits=delta_bits)
         elif tensor.is_floating_point() and tensor.dim() == 2 and dtype == "int8":
-            stored[name], stored[name + ".scale"] = _int8_rows(tensor)
+            stored[name], stored[name + ".scale"] = int8_rows(tensor)
             entry["kind"] = "int8"
         elif tensor.is_floating_point() and dtype == "bfloat16" and tensor.dim() == 2:
             stored[name], entry["kind"] = tensor.to(torch.bfloat16), "bfloat16"
@@ -380,7 +381,7 @@ def read_pack(packed_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
                 base = base[stored[entry["rows"]]]
             tensor = (base.float() + _dequantized_rows(stored, name, entry)).to(original)
         elif kind == "int8":
-            tensor = (stored[name].float() * stored[name + ".scale"][:, None]).to(original)
+            tensor = _dequantized_rows(stored, name, entry).to(original)
         else:
             tensor = stored[name].to(original)
         state_dict[name] = tensor

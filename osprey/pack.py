@@ -32,7 +32,7 @@ from modeling_osprey import OspreyConfig, OspreyForDrafting
 from modeling_osprey.decoding_osprey import CUSTOM_GENERATE_DIR
 from modeling_osprey.modeling_osprey import PACKED_WEIGHTS_NAME as PACKED_WEIGHTS
 
-from .compact import PACK_MANIFEST, pack_tensors, read_pack, write_pack
+from .compact import DELTA_BITS, PACK_MANIFEST, int8_rows, pack_tensors, read_pack, write_pack
 from .ground import require_empty_output_dir
 from .zoo import resolve_model_path
 
@@ -54,10 +54,7 @@ def pack_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     tensors = {}
     for name, tensor in state_dict.items():
         if tensor.is_floating_point() and tensor.dim() == 2:
-            tensor = tensor.float()
-            scale = tensor.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
-            tensors[name] = torch.round(tensor / scale).to(torch.int8)
-            tensors[name + SCALE_SUFFIX] = scale.squeeze(1)
+            tensors[name], tensors[name + SCALE_SUFFIX] = int8_rows(tensor)
         else:
             tensors[name] = tensor.contiguous()
     return tensors
@@ -232,7 +229,7 @@ def add_subcommand(subparsers) -> None:
     parser.add_argument(
         "--delta-bits",
         type=int,
-        choices=(3, 4, 8),
+        choices=DELTA_BITS,
         default=8,
         help="with --reference: bits per stored change against it (4: half the size, error 1/28 of a row's change "
         "instead of 1/254; 3: three eighths, error about a quarter of the change's norm)",
