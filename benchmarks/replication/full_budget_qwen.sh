@@ -9,6 +9,7 @@
 #   full_budget_qwen.sh train osprey|scratch|eagle3  # chunks of distillation (~3.2 h each): rerun until it says done
 #   full_budget_qwen.sh curve osprey|scratch|eagle3  # tau of every learning-curve point not yet benched
 #   full_budget_qwen.sh bench                      # tune each method's drafting on held-out prompts, then the bench
+#   full_budget_qwen.sh speed                      # interim: the finished Osprey's tokens/s against target, PLD, SpS
 #   full_budget_qwen.sh all                        # all of the above in order (run.sh's): rerun until it says done
 #
 # `bench` (~4 h, resumable): first each method's best draft length, early stop and tree shape are measured on
@@ -16,6 +17,12 @@
 # (chains, trees, trees with a prompt-lookup branch), the target alone, PLD and SpS decode the bench's 50 prompts in
 # one `osprey bench` run, each method with its tuned settings (--method-settings, recorded in the results):
 # benchmarks/results/replication-qwen2.5-coder-1.5b-instruct.{json,md,png}, and ratios.py's tables.
+#
+# `speed` (~40 min, resumable) is an interim read of the speed goal while a control is still training: Osprey's
+# finished drafter (chains, trees, trees with a prompt-lookup branch, each with the library's drafting defaults: nothing
+# tuned), the target alone, PLD and SpS decode the curve's 25-prompt subset in one `osprey bench` run, 64 new tokens
+# each: benchmarks/results/full-budget-qwen2.5-coder-1.5b-instruct-speed.{json,md,png} and its ratios. It does not
+# replace `bench`, whose 50 prompts and tuned settings decide the goal.
 #
 # `train` cuts the run into chunks (stages.sh: train_in_chunks, CHUNK_MINUTES, MAX_CHUNKS); after each one its latest
 # checkpoint is packed against the drafter's own init (int4 changes, 3-bit for EAGLE-3; the init is rebuilt here from
@@ -45,12 +52,12 @@ source benchmarks/replication/stages.sh  # log, restore_answers, train_in_chunks
 mkdir -p "$OUT"
 
 usage() {
-  echo "usage: $0 features | train DRAFTER | curve DRAFTER | bench | all   (DRAFTER: osprey, scratch or eagle3)" >&2
+  echo "usage: $0 features | train DRAFTER | curve DRAFTER | bench | speed | all   (DRAFTER: osprey, scratch or eagle3)" >&2
   exit 2
 }
 MODE=${1:-}
 case $MODE in
-  features|bench|all) [ $# -eq 1 ] || usage ;;
+  features|bench|speed|all) [ $# -eq 1 ] || usage ;;
   train|curve) [ $# -eq 2 ] || usage; case $2 in osprey|scratch|eagle3) ;; *) usage ;; esac ;;
   *) usage ;;
 esac
@@ -130,14 +137,16 @@ train() {  # train DRAFTER: returns 0 when trained, 3 when its chunks ran out (r
 SUITES=(--prompts spec_bench --prompts mt_bench --prompts humaneval --prompts mmath)
 TUNED=benchmarks/results/tuned-methods-full-budget-$TARGET.json
 RESULTS=benchmarks/results/replication-$TARGET.json
+finished() {  # finished DRAFTER: its final model in $OUT/DRAFTER (trained here, or unpacked from its committed pack)
+  [ -f "$PACKED/$1/final/osprey_pack.json" ] || { log "$1 is not trained yet: run train $1"; return 1; }
+  [ -f "$OUT/$1/model.safetensors" ] && return 0
+  init "$1" && $OSPREY unpack --checkpoint "$PACKED/$1/final" --output "$OUT/$1"
+}
+
 bench() {  # the tuning on held-out prompts, then the one-run bench with each method's tuned settings
   local drafter drafters=()
   for drafter in osprey scratch eagle3; do
-    [ -f "$PACKED/$drafter/final/osprey_pack.json" ] || { log "$drafter is not trained yet: run train $drafter"; return 1; }
-    if [ ! -f "$OUT/$drafter/model.safetensors" ]; then
-      init "$drafter" || return 1
-      $OSPREY unpack --checkpoint "$PACKED/$drafter/final" --output "$OUT/$drafter" || return 1
-    fi
+    finished "$drafter" || return 1
     drafters+=(--drafter "$drafter=$OUT/$drafter")
   done
   if [ ! -f "$TUNED" ]; then
@@ -163,11 +172,25 @@ bench() {  # the tuning on held-out prompts, then the one-run bench with each me
   commit_results "Full-budget Qwen: the replication bench" "${RESULTS%.json}".* "${RESULTS%.json}-ratios.txt"
 }
 
+SPEED=benchmarks/results/full-budget-$TARGET-speed.json
+speed() {  # the interim read of the speed goal (header): one run, drafting defaults, the curve's 25-prompt subset
+  finished osprey || return 1
+  log "Osprey's speed against the target alone, PLD and SpS -> $SPEED"
+  $OSPREY bench --target $TARGET --drafter "osprey=$OUT/osprey" --baselines target,pld,sps:qwen2.5-coder-0.5b-instruct \
+    --draft-topk 3 --prompt-lookup-num-tokens 8 --drafter-quantization int8 "${SUITES[@]}" --per-category 1 \
+    --max-new-tokens 64 --dtype bfloat16 --output "$SPEED" || return 1
+  $PYTHON benchmarks/replication/ratios.py "$SPEED" --controls sps pld target > "${SPEED%.json}-ratios.txt" || return 1
+  cat "${SPEED%.json}-ratios.txt"
+  commit_results "Full-budget Qwen: Osprey's speed against the target alone, PLD and SpS (interim)" \
+    "${SPEED%.json}".* "${SPEED%.json}-ratios.txt"
+}
+
 rc=0
 case $MODE in
   curve) curve "$2" ;;
   train) train "$2" || rc=$?; [ $rc -eq 3 ] && rc=0 ;;  # chunks ran out: rerun to continue
   bench) bench || rc=$? ;;
+  speed) speed || rc=$? ;;
   all)
     for drafter in osprey scratch eagle3; do
       train "$drafter" || rc=$?
