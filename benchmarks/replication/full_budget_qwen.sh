@@ -18,7 +18,7 @@
 # one `osprey bench` run, each method with its tuned settings (--method-settings, recorded in the results):
 # benchmarks/results/replication-qwen2.5-coder-1.5b-instruct.{json,md,png}, and ratios.py's tables.
 #
-# `speed` (~40 min, resumable) is an interim read of the speed goal while a control is still training: Osprey's
+# `speed` (~35 min, resumable) is an interim read of the speed goal while a control is still training: Osprey's
 # finished drafter (chains, trees, trees with a prompt-lookup branch, each with the library's drafting defaults: nothing
 # tuned), the target alone, PLD and SpS decode the curve's 25-prompt subset in one `osprey bench` run, 64 new tokens
 # each: benchmarks/results/full-budget-qwen2.5-coder-1.5b-instruct-speed.{json,md,png} and its ratios. It does not
