@@ -137,6 +137,10 @@ train() {  # train DRAFTER: returns 0 when trained, 3 when its chunks ran out (r
 SUITES=(--prompts spec_bench --prompts mt_bench --prompts humaneval --prompts mmath)
 TUNED=benchmarks/results/tuned-methods-full-budget-$TARGET.json
 RESULTS=benchmarks/results/replication-$TARGET.json
+# How `bench` and `speed` decode, once, so that the interim read compares with the bench: the baselines, the trees'
+# and the lookup branch's settings, the suites and lengths (in `bench`, each method's tuned settings override them)
+DECODING=(--baselines target,pld,sps:qwen2.5-coder-0.5b-instruct --draft-topk 3 --prompt-lookup-num-tokens 8
+  --drafter-quantization int8 "${SUITES[@]}" --max-new-tokens 64 --dtype bfloat16)
 finished() {  # finished DRAFTER: its final model in $OUT/DRAFTER (trained here, or unpacked from its committed pack)
   [ -f "$PACKED/$1/final/osprey_pack.json" ] || { log "$1 is not trained yet: run train $1"; return 1; }
   [ -f "$OUT/$1/model.safetensors" ] && return 0
@@ -158,9 +162,8 @@ bench() {  # the tuning on held-out prompts, then the one-run bench with each me
     commit_results "Full-budget Qwen: each method's drafting tuned on held-out prompts" "${TUNED%.json}".*
   fi
   log "the bench -> $RESULTS"
-  $OSPREY bench --target $TARGET "${drafters[@]}" --baselines target,pld,sps:qwen2.5-coder-0.5b-instruct \
-    --draft-topk 3 --prompt-lookup-num-tokens 8 --drafter-quantization int8 --method-settings "$TUNED" \
-    "${SUITES[@]}" --per-category 2 --max-new-tokens 64 --seed 0 --dtype bfloat16 --output "$RESULTS" || return 1
+  $OSPREY bench --target $TARGET "${drafters[@]}" "${DECODING[@]}" --method-settings "$TUNED" --per-category 2 \
+    --seed 0 --output "$RESULTS" || return 1
   {  # chains against every control, then each tree shape against the controls' same shape
     $PYTHON benchmarks/replication/ratios.py "$RESULTS" --controls scratch eagle3 sps pld target &&
     $PYTHON benchmarks/replication/ratios.py "$RESULTS" --drafter osprey-tree \
@@ -176,9 +179,8 @@ SPEED=benchmarks/results/full-budget-$TARGET-speed.json
 speed() {  # the interim read of the speed goal (header): one run, drafting defaults, the curve's 25-prompt subset
   finished osprey || return 1
   log "Osprey's speed against the target alone, PLD and SpS -> $SPEED"
-  $OSPREY bench --target $TARGET --drafter "osprey=$OUT/osprey" --baselines target,pld,sps:qwen2.5-coder-0.5b-instruct \
-    --draft-topk 3 --prompt-lookup-num-tokens 8 --drafter-quantization int8 "${SUITES[@]}" --per-category 1 \
-    --max-new-tokens 64 --dtype bfloat16 --output "$SPEED" || return 1
+  $OSPREY bench --target $TARGET --drafter "osprey=$OUT/osprey" "${DECODING[@]}" --per-category 1 --output "$SPEED" \
+    || return 1
   $PYTHON benchmarks/replication/ratios.py "$SPEED" --controls sps pld target > "${SPEED%.json}-ratios.txt" || return 1
   cat "${SPEED%.json}-ratios.txt"
   commit_results "Full-budget Qwen: Osprey's speed against the target alone, PLD and SpS (interim)" \
