@@ -8,7 +8,8 @@
 #   full_budget_qwen.sh features                   # the feature cache (~1.5 h of 2 cores, ~20 GB; recomputable)
 #   full_budget_qwen.sh train osprey|scratch|eagle3  # chunks of distillation (~3.2 h each): rerun until it says done
 #   full_budget_qwen.sh curve osprey|scratch|eagle3  # tau of every learning-curve point not yet benched
-#   full_budget_qwen.sh bench                      # tune each method's drafting on held-out prompts, then the bench
+#   full_budget_qwen.sh tune                       # each method's drafting, tuned on held-out prompts (bench's first part)
+#   full_budget_qwen.sh bench                      # tune (what is not tuned yet), then the bench
 #   full_budget_qwen.sh speed                      # interim: the finished Osprey's tokens/s against target, PLD, SpS
 #   full_budget_qwen.sh all                        # all of the above in order (run.sh's): rerun until it says done
 #
@@ -16,7 +17,11 @@
 # prompts the bench never decodes (tune_methods.py: the next seeded prompt of each category), then the three drafters
 # (chains, trees, trees with a prompt-lookup branch), the target alone, PLD and SpS decode the bench's 50 prompts in
 # one `osprey bench` run, each method with its tuned settings (--method-settings, recorded in the results):
-# benchmarks/results/replication-qwen2.5-coder-1.5b-instruct.{json,md,png}, and ratios.py's tables.
+# benchmarks/results/replication-qwen2.5-coder-1.5b-instruct.{json,md,png}, and ratios.py's tables. `tune` (~1.5 h)
+# is that first part alone, so that the bench can have a session to itself. DRAFTERS (default "osprey scratch
+# eagle3") names the drafters that `tune` and `bench` take: the tuning resumes, so a drafter added later only tunes
+# its own candidates; a drafter added to a finished bench decodes in a later run, so compare its tau (greedy, the
+# same on every machine), not its tokens/s.
 #
 # `speed` (~35 min, resumable) is an interim read of the speed goal while a control is still training: Osprey's
 # finished drafter (chains, trees, trees with a prompt-lookup branch, each with the library's drafting defaults: nothing
@@ -52,12 +57,12 @@ source benchmarks/replication/stages.sh  # log, restore_answers, train_in_chunks
 mkdir -p "$OUT"
 
 usage() {
-  echo "usage: $0 features | train DRAFTER | curve DRAFTER | bench | speed | all   (DRAFTER: osprey, scratch or eagle3)" >&2
+  echo "usage: $0 features | train DRAFTER | curve DRAFTER | tune | bench | speed | all   (DRAFTER: osprey, scratch or eagle3)" >&2
   exit 2
 }
 MODE=${1:-}
 case $MODE in
-  features|bench|speed|all) [ $# -eq 1 ] || usage ;;
+  features|tune|bench|speed|all) [ $# -eq 1 ] || usage ;;
   train|curve) [ $# -eq 2 ] || usage; case $2 in osprey|scratch|eagle3) ;; *) usage ;; esac ;;
   *) usage ;;
 esac
@@ -147,32 +152,48 @@ finished() {  # finished DRAFTER: its final model in $OUT/DRAFTER (trained here,
   init "$1" && $OSPREY unpack --checkpoint "$PACKED/$1/final" --output "$OUT/$1"
 }
 
-bench() {  # the tuning on held-out prompts, then the one-run bench with each method's tuned settings
-  local drafter drafters=()
-  for drafter in osprey scratch eagle3; do
+read -r -a BENCHED <<< "${DRAFTERS:-osprey scratch eagle3}"
+for drafter in "${BENCHED[@]}"; do case $drafter in osprey|scratch|eagle3) ;; *) usage ;; esac; done
+[[ " ${BENCHED[*]} " == *" osprey "* ]] || { log "DRAFTERS must include osprey, the drafter the bench measures"; exit 2; }
+bench_drafters() {  # the --drafter NAME=DIR arguments of DRAFTERS, each finished (trained, or unpacked here)
+  local drafter
+  BENCH_DRAFTERS=()
+  for drafter in "${BENCHED[@]}"; do
     finished "$drafter" || return 1
-    drafters+=(--drafter "$drafter=$OUT/$drafter")
+    BENCH_DRAFTERS+=(--drafter "$drafter=$OUT/$drafter")
   done
-  if [ ! -f "$TUNED" ]; then
-    log "tuning each method's drafting on held-out prompts -> $TUNED"
-    $PYTHON benchmarks/replication/tune_methods.py --target $TARGET --dtype bfloat16 "${drafters[@]}" \
-      --sps qwen2.5-coder-0.5b-instruct --pld 2,4,8 "${SUITES[@]}" --bench-per-category 2 --seed 0 \
-      --num-draft-tokens 3,5 --confidence-threshold 0,0.3 --draft-topk 3 --tree-size 4,8 --prompt-lookup 8 \
-      --drafter-quantization int8 --max-new-tokens 32 --output "$TUNED" || return 1
-    commit_results "Full-budget Qwen: each method's drafting tuned on held-out prompts" "${TUNED%.json}".*
-  fi
-  log "the bench -> $RESULTS"
-  $OSPREY bench --target $TARGET "${drafters[@]}" "${DECODING[@]}" --method-settings "$TUNED" --per-category 2 \
-    --seed 0 --output "$RESULTS" || return 1
+}
+
+tune() {  # each method's drafting tuned on held-out prompts; resumes, and only tunes what is not tuned yet
+  bench_drafters || return 1
+  log "tuning each method's drafting on held-out prompts (${BENCHED[*]}, sps, pld) -> $TUNED"
+  $PYTHON benchmarks/replication/tune_methods.py --target $TARGET --dtype bfloat16 "${BENCH_DRAFTERS[@]}" \
+    --sps qwen2.5-coder-0.5b-instruct --pld 2,4,8 "${SUITES[@]}" --bench-per-category 2 --seed 0 \
+    --num-draft-tokens 3,5 --confidence-threshold 0,0.3 --draft-topk 3 --tree-size 4,8 --prompt-lookup 8 \
+    --drafter-quantization int8 --max-new-tokens 32 --output "$TUNED" || return 1
+  commit_results "Full-budget Qwen: each method's drafting tuned on held-out prompts (${BENCHED[*]}, sps, pld)" \
+    "${TUNED%.json}".*
+}
+
+bench() {  # the tuning on held-out prompts, then the one-run bench with each method's tuned settings
+  local suffix controls drafter
+  tune || return 1
+  log "the bench (${BENCHED[*]}, target, pld, sps) -> $RESULTS"
+  $OSPREY bench --target $TARGET "${BENCH_DRAFTERS[@]}" "${DECODING[@]}" --method-settings "$TUNED" \
+    --per-category 2 --seed 0 --output "$RESULTS" || return 1
   {  # chains against every control, then each tree shape against the controls' same shape
-    $PYTHON benchmarks/replication/ratios.py "$RESULTS" --controls scratch eagle3 sps pld target &&
-    $PYTHON benchmarks/replication/ratios.py "$RESULTS" --drafter osprey-tree \
-      --controls scratch-tree eagle3-tree &&
-    $PYTHON benchmarks/replication/ratios.py "$RESULTS" --drafter osprey-tree-lookup \
-      --controls scratch-tree-lookup eagle3-tree-lookup
+    for suffix in "" -tree -tree-lookup; do
+      controls=()
+      for drafter in "${BENCHED[@]}"; do [ "$drafter" = osprey ] || controls+=("$drafter$suffix"); done
+      [ -n "$suffix" ] || controls+=(sps pld target)
+      [ ${#controls[@]} -gt 0 ] || continue
+      $PYTHON benchmarks/replication/ratios.py "$RESULTS" --drafter "osprey$suffix" --controls "${controls[@]}" ||
+        return 1
+    done
   } > "${RESULTS%.json}-ratios.txt" || return 1
   cat "${RESULTS%.json}-ratios.txt"
-  commit_results "Full-budget Qwen: the replication bench" "${RESULTS%.json}".* "${RESULTS%.json}-ratios.txt"
+  commit_results "Full-budget Qwen: the replication bench (${BENCHED[*]}, target, pld, sps)" "${RESULTS%.json}".* \
+    "${RESULTS%.json}-ratios.txt"
 }
 
 SPEED=benchmarks/results/full-budget-$TARGET-speed.json
@@ -191,6 +212,7 @@ rc=0
 case $MODE in
   curve) curve "$2" ;;
   train) train "$2" || rc=$?; [ $rc -eq 3 ] && rc=0 ;;  # chunks ran out: rerun to continue
+  tune) tune || rc=$? ;;
   bench) bench || rc=$? ;;
   speed) speed || rc=$? ;;
   all)
