@@ -430,14 +430,23 @@ def test_replication_ratios_join_another_bench_only_when_both_decoded_alike():
         return {
             "target": "t",
             "settings": settings,
-            "methods": {drafter: "drafter:x", "target": "target"},
-            "requests": [_request(drafter, "1", tau), _request("target", "1", 1.0, target_output)],
+            "methods": {drafter: "drafter:x", f"{drafter}-tree": "drafter-tree:x", "target": "target", "pld": "pld"},
+            "requests": [
+                _request(drafter, "1", tau),
+                _request(f"{drafter}-tree", "1", 2 * tau),
+                _request("target", "1", 1.0, target_output),
+                _request("pld", "1", 1.1),
+            ],
         }
 
     joined = ratios.with_drafters_from(bench("osprey", 1.5, "t"), bench("ablation", 1.2, "t"))
-    assert list(joined["methods"]) == ["osprey", "target", "ablation"]
+    # the other bench's drafters join, chains and trees alike; its target and baselines do not
+    assert list(joined["methods"]) == ["osprey", "osprey-tree", "target", "pld", "ablation", "ablation-tree"]
+    assert len(joined["requests"]) == 6
     table = ratios.ratios(joined["requests"], controls=("ablation",))
     assert table["overall"]["osprey/ablation"] == pytest.approx(1.25)
+    table = ratios.ratios(joined["requests"], drafter="osprey-tree", controls=("ablation-tree",))
+    assert table["overall"]["osprey-tree/ablation-tree"] == pytest.approx(1.25)
     with pytest.raises(ValueError, match="did not decode alike"):
         ratios.with_drafters_from(bench("osprey", 1.5, "t"), bench("ablation", 1.2, "other"))
     with pytest.raises(ValueError, match="identical settings"):

@@ -19,9 +19,11 @@
 # one `osprey bench` run, each method with its tuned settings (--method-settings, recorded in the results):
 # benchmarks/results/replication-qwen2.5-coder-1.5b-instruct.{json,md,png}, and ratios.py's tables. `tune` (~1.5 h)
 # is that first part alone, so that the bench can have a session to itself. DRAFTERS (default "osprey scratch
-# eagle3") names the drafters that `tune` and `bench` take: the tuning resumes, so a drafter added later only tunes
-# its own candidates; a drafter added to a finished bench decodes in a later run, so compare its tau (greedy, the
-# same on every machine), not its tokens/s.
+# eagle3") names the drafters that `tune` and `bench` take, so that Osprey's bench need not wait for a control that
+# is still training. The tuning resumes, so a drafter added later only tunes its own candidates. A bench without
+# Osprey is a later run of controls beside the target alone, into replication-...-also-DRAFTERS.json: its drafters
+# join the tau tables (`ratios.py --also`) only if the target decoded there exactly as in the bench, and their
+# tokens/s, timed in another run, are compared with nothing.
 #
 # `speed` (~35 min, resumable) is an interim read of the speed goal while a control is still training: Osprey's
 # finished drafter (chains, trees, trees with a prompt-lookup branch, each with the library's drafting defaults: nothing
@@ -154,7 +156,6 @@ finished() {  # finished DRAFTER: its final model in $OUT/DRAFTER (trained here,
 
 read -r -a BENCHED <<< "${DRAFTERS:-osprey scratch eagle3}"
 for drafter in "${BENCHED[@]}"; do case $drafter in osprey|scratch|eagle3) ;; *) usage ;; esac; done
-[[ " ${BENCHED[*]} " == *" osprey "* ]] || { log "DRAFTERS must include osprey, the drafter the bench measures"; exit 2; }
 bench_drafters() {  # the --drafter NAME=DIR arguments of DRAFTERS, each finished (trained, or unpacked here)
   local drafter
   BENCH_DRAFTERS=()
@@ -175,25 +176,37 @@ tune() {  # each method's drafting tuned on held-out prompts; resumes, and only 
     "${TUNED%.json}".*
 }
 
-bench() {  # the tuning on held-out prompts, then the one-run bench with each method's tuned settings
-  local suffix controls drafter
+bench() {  # the tuning on held-out prompts, then the one-run bench with each method's tuned settings (or, without
+  # Osprey, a later run of controls beside the target alone), then the tau and speed tables of all that is benched
+  local suffix drafter other benched results=$RESULTS baselines=() controls also=() others=()
   tune || return 1
-  log "the bench (${BENCHED[*]}, target, pld, sps) -> $RESULTS"
-  $OSPREY bench --target $TARGET "${BENCH_DRAFTERS[@]}" "${DECODING[@]}" --method-settings "$TUNED" \
-    --per-category 2 --seed 0 --output "$RESULTS" || return 1
+  if [[ " ${BENCHED[*]} " != *" osprey "* ]]; then
+    results=${RESULTS%.json}-also-$(IFS=-; echo "${BENCHED[*]}").json
+    baselines=(--baselines target)
+  fi
+  log "the bench (${BENCHED[*]}, ${baselines[1]:-target, pld, sps}) -> $results"
+  $OSPREY bench --target $TARGET "${BENCH_DRAFTERS[@]}" "${DECODING[@]}" "${baselines[@]}" \
+    --method-settings "$TUNED" --per-category 2 --seed 0 --output "$results" || return 1
+  commit_results "Full-budget Qwen: the replication bench (${BENCHED[*]}, ${baselines[1]:-target, pld, sps})" \
+    "${results%.json}".*
+  [ -f "$RESULTS" ] || { log "Osprey is not benched yet: DRAFTERS=osprey $0 bench"; return 0; }
+  for other in "${RESULTS%.json}"-also-*.json; do [ -f "$other" ] && others+=("$other") && also+=(--also "$other"); done
+  benched=$($PYTHON -c 'import json, sys; print(*{m for f in sys.argv[1:] for m in json.load(open(f))["methods"]})' \
+    "$RESULTS" "${others[@]}") || return 1
   {  # chains against every control, then each tree shape against the controls' same shape
     for suffix in "" -tree -tree-lookup; do
       controls=()
-      for drafter in "${BENCHED[@]}"; do [ "$drafter" = osprey ] || controls+=("$drafter$suffix"); done
+      for drafter in scratch eagle3; do
+        [[ " $benched " == *" $drafter$suffix "* ]] && controls+=("$drafter$suffix")
+      done
       [ -n "$suffix" ] || controls+=(sps pld target)
       [ ${#controls[@]} -gt 0 ] || continue
-      $PYTHON benchmarks/replication/ratios.py "$RESULTS" --drafter "osprey$suffix" --controls "${controls[@]}" ||
-        return 1
+      $PYTHON benchmarks/replication/ratios.py "$RESULTS" "${also[@]}" --drafter "osprey$suffix" \
+        --controls "${controls[@]}" || return 1
     done
   } > "${RESULTS%.json}-ratios.txt" || return 1
   cat "${RESULTS%.json}-ratios.txt"
-  commit_results "Full-budget Qwen: the replication bench (${BENCHED[*]}, target, pld, sps)" "${RESULTS%.json}".* \
-    "${RESULTS%.json}-ratios.txt"
+  commit_results "Full-budget Qwen: the replication bench's ratios" "${RESULTS%.json}-ratios.txt"
 }
 
 SPEED=benchmarks/results/full-budget-$TARGET-speed.json

@@ -10,16 +10,16 @@ languages other than English; non-English = MT-Bench and MMATH in other language
 mean over its requests (per-request τ, as everywhere in `osprey bench`). Only prompts that every method finished are
 compared, so a bench that was stopped early still compares like with like (the script says how many it left out).
 
-`--also OTHER.json` adds the drafters of another greedy bench on the same prompts to the τ table (not to the costs:
-times from two runs do not compare). Greedy τ does not depend on the run, but only if both decoded alike, so the
-target-alone outputs of the two runs must be identical.
+`--also OTHER.json` (repeatable) adds the drafters of another greedy bench on the same prompts to the τ table (not to
+the costs: times from two runs do not compare), chains and trees alike. Greedy τ does not depend on the run, but only
+if both decoded alike, so the target-alone outputs of the two runs must be identical.
 """
 
 import argparse
 import json
 import statistics
 
-from osprey.bench import saved_settings
+from osprey.bench import DRAFTER_KINDS, saved_settings
 
 
 def _prompt_key(row: dict) -> tuple[str, str, str]:
@@ -51,7 +51,7 @@ def with_drafters_from(results: dict, other: dict) -> dict:
             "The two benches' target-alone outputs differ (or were not both run): they did not decode "
             "alike, so their τ do not compare. Rerun both with the same --dtype and target."
         )
-    drafters = {name: spec for name, spec in other["methods"].items() if spec.startswith("drafter:")}
+    drafters = {name: spec for name, spec in other["methods"].items() if spec.partition(":")[0] in DRAFTER_KINDS}
     if drafters.keys() & results["methods"].keys():
         raise ValueError(f"Both benches have a method named {sorted(drafters.keys() & results['methods'].keys())}.")
     return {
@@ -138,13 +138,15 @@ def main() -> None:
     parser.add_argument("results")
     parser.add_argument("--drafter", default="osprey")
     parser.add_argument("--controls", nargs="+", default=["scratch", "eagle3"])
-    parser.add_argument("--also", help="another greedy bench's results JSON whose drafters join the τ table")
+    parser.add_argument(
+        "--also", action="append", default=[], help="another greedy bench's results JSON whose drafters join τ's table"
+    )
     args = parser.parse_args()
     with open(args.results) as file:
         results = json.load(file)
     own_methods = set(results["methods"])
-    if args.also:
-        with open(args.also) as file:
+    for other in args.also:
+        with open(other) as file:
             results = with_drafters_from(results, json.load(file))
     requests = complete_requests(results)
     left_out = len(results["requests"]) - len(requests)
