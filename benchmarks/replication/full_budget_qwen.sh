@@ -184,6 +184,12 @@ bench() {  # the tuning on held-out prompts, then the one-run bench with each me
     results=${RESULTS%.json}-also-$(IFS=-; echo "${BENCHED[*]}").json
     baselines=(--baselines target)
   fi
+  if [ -f "$results" ] && ! $PYTHON -c 'import json, sys; methods = json.load(open(sys.argv[1]))["methods"]
+sys.exit(any(name not in methods for name in sys.argv[2:]))' "$results" "${BENCHED[@]}"; then
+    log "$results holds a bench without some of ${BENCHED[*]}: they would decode in a later run beside it. Bench"
+    log "them without osprey (a later run of controls, DRAFTERS=...), or move $results aside for one run of all."
+    return 1
+  fi
   log "the bench (${BENCHED[*]}, ${baselines[1]:-target, pld, sps}) -> $results"
   $OSPREY bench --target $TARGET "${BENCH_DRAFTERS[@]}" "${DECODING[@]}" "${baselines[@]}" \
     --method-settings "$TUNED" --per-category 2 --seed 0 --output "$results" || return 1
