@@ -138,6 +138,15 @@ def main() -> None:
             key=lambda row: row["tokens_per_s"],
         )
         results["chosen"][method] = best["settings"]
+    output = Path(args.output)
+    if output.exists():  # methods an earlier invocation tuned (other drafters) keep their candidates and choice
+        earlier = json.loads(output.read_text())
+        results["candidates"] = {
+            name: row for name, row in earlier.get("candidates", {}).items() if row["method"] not in results["chosen"]
+        } | results["candidates"]
+        results["chosen"] = {
+            method: own for method, own in earlier.get("chosen", {}).items() if method not in results["chosen"]
+        } | results["chosen"]
     results["held_out_prompts"] = f"{source} ({len(prompts)} prompts)"
     results["settings"] = vars(args) | {"threads": torch.get_num_threads()}
     Path(args.output).write_text(json.dumps(results, indent=1) + "\n")
