@@ -156,6 +156,10 @@ finished() {  # finished DRAFTER: its final model in $OUT/DRAFTER (trained here,
 
 read -r -a BENCHED <<< "${DRAFTERS:-osprey scratch eagle3}"
 for drafter in "${BENCHED[@]}"; do case $drafter in osprey|scratch|eagle3) ;; *) usage ;; esac; done
+methods_of() {  # methods_of RESULTS...: the method names of bench results files
+  $PYTHON -c 'import json, sys; print(*{m for f in sys.argv[1:] for m in json.load(open(f))["methods"]})' "$@"
+}
+
 bench_drafters() {  # the --drafter NAME=DIR arguments of DRAFTERS, each finished (trained, or unpacked here)
   local drafter
   BENCH_DRAFTERS=()
@@ -178,15 +182,18 @@ tune() {  # each method's drafting tuned on held-out prompts; resumes, and only 
 
 bench() {  # the tuning on held-out prompts, then the one-run bench with each method's tuned settings (or, without
   # Osprey, a later run of controls beside the target alone), then the tau and speed tables of all that is benched
-  local suffix drafter other benched results=$RESULTS baselines=() controls also=() others=()
+  local suffix drafter other benched results=$RESULTS baselines=() controls others=() missing=()
   tune || return 1
   if [[ " ${BENCHED[*]} " != *" osprey "* ]]; then
     results=${RESULTS%.json}-also-$(IFS=-; echo "${BENCHED[*]}").json
     baselines=(--baselines target)
   fi
-  if [ -f "$results" ] && ! $PYTHON -c 'import json, sys; methods = json.load(open(sys.argv[1]))["methods"]
-sys.exit(any(name not in methods for name in sys.argv[2:]))' "$results" "${BENCHED[@]}"; then
-    log "$results holds a bench without some of ${BENCHED[*]}: they would decode in a later run beside it. Bench"
+  benched=$([ ! -f "$results" ] || methods_of "$results") || return 1
+  for drafter in "${BENCHED[@]}"; do
+    [[ -z "$benched" || " $benched " == *" $drafter "* ]] || missing+=("$drafter")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "$results holds a bench without ${missing[*]}: they would decode in a later run beside it. Bench"
     log "them without osprey (a later run of controls, DRAFTERS=...), or move $results aside for one run of all."
     return 1
   fi
@@ -196,9 +203,8 @@ sys.exit(any(name not in methods for name in sys.argv[2:]))' "$results" "${BENCH
   commit_results "Full-budget Qwen: the replication bench (${BENCHED[*]}, ${baselines[1]:-target, pld, sps})" \
     "${results%.json}".*
   [ -f "$RESULTS" ] || { log "Osprey is not benched yet: DRAFTERS=osprey $0 bench"; return 0; }
-  for other in "${RESULTS%.json}"-also-*.json; do [ -f "$other" ] && others+=("$other") && also+=(--also "$other"); done
-  benched=$($PYTHON -c 'import json, sys; print(*{m for f in sys.argv[1:] for m in json.load(open(f))["methods"]})' \
-    "$RESULTS" "${others[@]}") || return 1
+  for other in "${RESULTS%.json}"-also-*.json; do [ -f "$other" ] && others+=("$other"); done
+  benched=$(methods_of "$RESULTS" "${others[@]}") || return 1
   {  # chains against every control, then each tree shape against the controls' same shape
     for suffix in "" -tree -tree-lookup; do
       controls=()
@@ -207,7 +213,7 @@ sys.exit(any(name not in methods for name in sys.argv[2:]))' "$results" "${BENCH
       done
       [ -n "$suffix" ] || controls+=(sps pld target)
       [ ${#controls[@]} -gt 0 ] || continue
-      $PYTHON benchmarks/replication/ratios.py "$RESULTS" "${also[@]}" --drafter "osprey$suffix" \
+      $PYTHON benchmarks/replication/ratios.py "$RESULTS" "${others[@]/#/--also=}" --drafter "osprey$suffix" \
         --controls "${controls[@]}" || return 1
     done
   } > "${RESULTS%.json}-ratios.txt" || return 1

@@ -132,24 +132,22 @@ def main() -> None:
     results = {"target": {key: overall["target"][key] for key in keys}, "candidates": {}, "chosen": {}}
     for method, name, _, own in grid:
         results["candidates"][name] = {"method": method, "settings": own} | {key: overall[name][key] for key in keys}
-    for method in dict.fromkeys(method for method, *_ in grid):
+    tuned_here = {method for method, *_ in grid}
+    output = Path(args.output)
+    if output.exists():  # methods an earlier invocation tuned (other drafters) keep their candidates
+        earlier = json.loads(output.read_text()).get("candidates", {})
+        results["candidates"] = {
+            name: row for name, row in earlier.items() if row["method"] not in tuned_here
+        } | results["candidates"]
+    for method in dict.fromkeys(row["method"] for row in results["candidates"].values()):
         best = max(
             (row for row in results["candidates"].values() if row["method"] == method),
             key=lambda row: row["tokens_per_s"],
         )
         results["chosen"][method] = best["settings"]
-    output = Path(args.output)
-    if output.exists():  # methods an earlier invocation tuned (other drafters) keep their candidates and choice
-        earlier = json.loads(output.read_text())
-        results["candidates"] = {
-            name: row for name, row in earlier.get("candidates", {}).items() if row["method"] not in results["chosen"]
-        } | results["candidates"]
-        results["chosen"] = {
-            method: own for method, own in earlier.get("chosen", {}).items() if method not in results["chosen"]
-        } | results["chosen"]
     results["held_out_prompts"] = f"{source} ({len(prompts)} prompts)"
     results["settings"] = vars(args) | {"threads": torch.get_num_threads()}
-    Path(args.output).write_text(json.dumps(results, indent=1) + "\n")
+    output.write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results["chosen"], indent=1))
 
 
