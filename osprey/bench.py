@@ -428,12 +428,15 @@ def expand_drafter_methods(
 
 
 def read_method_settings(path: str | None, names: list[str]) -> dict[str, dict]:
-    """`--method-settings`: {method name: its own settings} from a JSON file (its `chosen` entry if it has one, as
-    `benchmarks/replication/tune_methods.py` writes), for methods among `names`."""
+    """`--method-settings`: {method name: its own settings} for methods among `names`, from a JSON file: a mapping
+    written for this run, where every entry must name one of its methods, or a tuning result (its `chosen` entry, as
+    `benchmarks/replication/tune_methods.py` writes), which may tune more methods than a run benches: only this
+    run's are taken."""
     if path is None:
         return {}
     table = json.loads(Path(path).read_text())
-    table = table.get("chosen", table)
+    if "chosen" in table:
+        return {name: own for name, own in table["chosen"].items() if name in names}
     unknown = sorted(set(table) - set(names))
     if unknown:
         raise ValueError(
@@ -519,8 +522,8 @@ def add_subcommand(subparsers) -> None:
         "--method-settings",
         metavar="JSON",
         help="methods' own settings: a JSON file mapping method names to some of "
-        f"{', '.join(METHOD_SETTINGS)} (e.g. each method's best draft length; a tuning result's `chosen` is read), "
-        "used instead of the run's for those methods and recorded in the results",
+        f"{', '.join(METHOD_SETTINGS)} (e.g. each method's best draft length), or a tuning result (its `chosen` is "
+        "read for this run's methods), used instead of the run's for those methods and recorded in the results",
     )
     parser.add_argument("--no-chat-template", action="store_true", help="feed prompts without the chat template")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")

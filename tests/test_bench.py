@@ -362,13 +362,12 @@ def test_cli_writes_results_table_and_plot(models, tmp_path, capsys):
     assert markdown in capsys.readouterr().out and markdown.count("| osprey |") == 3
     assert output.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
 
-    tuned = tmp_path / "tuned.json"  # as benchmarks/replication/tune_methods.py writes it
-    tuned.write_text(
-        json.dumps({"chosen": {"osprey": {"num_draft_tokens": 2}, "pld": {"prompt_lookup_num_tokens": 2}}})
-    )
+    tuned = tmp_path / "tuned.json"  # as benchmarks/replication/tune_methods.py writes it, tuning more methods
+    chosen = {"osprey": {"num_draft_tokens": 2}, "pld": {"prompt_lookup_num_tokens": 2}}
+    tuned.write_text(json.dumps({"chosen": chosen | {"eagle3": {"num_draft_tokens": 3}}}))
     own = tmp_path / "out" / "own.json"
     assert main(argv[:-1] + [str(own), "--method-settings", str(tuned)]) == 0
-    assert json.loads(own.read_text())["method_settings"] == json.loads(tuned.read_text())["chosen"]
+    assert json.loads(own.read_text())["method_settings"] == chosen  # this run's methods only
     tuned.write_text(json.dumps({"osprey": {"num_draft_tokens": 2}, "eagle3": {"num_draft_tokens": 3}}))
     capsys.readouterr()
     assert main(argv[:-1] + [str(tmp_path / "never.json"), "--method-settings", str(tuned)]) == 2
@@ -646,3 +645,20 @@ def test_tuning_holds_out_the_bench_prompts_and_its_choice_feeds_the_bench(model
     ]
     assert main(argv) == 0
     assert json.loads(bench_output.read_text())["method_settings"] == tuned["chosen"]
+
+
+def test_tuning_again_keeps_the_methods_it_does_not_measure():
+    """A later `tune_methods.py` invocation (another drafter) replaces its own methods' candidates, keeps every other
+    method's, and each choice is the best of its method's candidates after the merge."""
+    tune = _replication_module("tune_methods")
+
+    def row(method, length, tokens_per_s):
+        return {"method": method, "settings": {"num_draft_tokens": length}, "tokens_per_s": tokens_per_s}
+
+    earlier = {"osprey@3": row("osprey", 3, 9.0), "osprey@5": row("osprey", 5, 8.0)}
+    earlier |= {"scratch@3": row("scratch", 3, 7.0), "scratch@9": row("scratch", 9, 6.5)}
+    fresh = {"scratch@3": row("scratch", 3, 5.0), "scratch@5": row("scratch", 5, 6.0)}
+    merged = tune.merge_candidates(earlier, fresh)
+    assert merged == {"osprey@3": earlier["osprey@3"], "osprey@5": earlier["osprey@5"]} | fresh  # stale scratch@9 gone
+    assert tune.choose(merged) == {"osprey": {"num_draft_tokens": 3}, "scratch": {"num_draft_tokens": 5}}
+    assert tune.choose(fresh) == {"scratch": {"num_draft_tokens": 5}}  # without the merge osprey's choice is lost

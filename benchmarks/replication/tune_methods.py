@@ -75,6 +75,22 @@ def candidates(args) -> list[tuple[str, str, str, dict]]:
     return named
 
 
+def merge_candidates(earlier: dict, fresh: dict) -> dict:
+    """The candidates of a tuning file after an invocation measured `fresh`: a method measured now keeps only its
+    fresh candidates, every other method its earlier ones."""
+    tuned_now = {row["method"] for row in fresh.values()}
+    return {name: row for name, row in earlier.items() if row["method"] not in tuned_now} | fresh
+
+
+def choose(candidates: dict) -> dict:
+    """{bench method: the settings of its candidate with the best overall tokens/s}."""
+    chosen = {}
+    for method in dict.fromkeys(row["method"] for row in candidates.values()):
+        best = max((row for row in candidates.values() if row["method"] == method), key=lambda row: row["tokens_per_s"])
+        chosen[method] = best["settings"]
+    return chosen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True)
@@ -132,19 +148,12 @@ def main() -> None:
     results = {"target": {key: overall["target"][key] for key in keys}, "candidates": {}, "chosen": {}}
     for method, name, _, own in grid:
         results["candidates"][name] = {"method": method, "settings": own} | {key: overall[name][key] for key in keys}
-    tuned_here = {method for method, *_ in grid}
     output = Path(args.output)
     if output.exists():  # methods an earlier invocation tuned (other drafters) keep their candidates
-        earlier = json.loads(output.read_text()).get("candidates", {})
-        results["candidates"] = {
-            name: row for name, row in earlier.items() if row["method"] not in tuned_here
-        } | results["candidates"]
-    for method in dict.fromkeys(row["method"] for row in results["candidates"].values()):
-        best = max(
-            (row for row in results["candidates"].values() if row["method"] == method),
-            key=lambda row: row["tokens_per_s"],
+        results["candidates"] = merge_candidates(
+            json.loads(output.read_text()).get("candidates", {}), results["candidates"]
         )
-        results["chosen"][method] = best["settings"]
+    results["chosen"] = choose(results["candidates"])
     results["held_out_prompts"] = f"{source} ({len(prompts)} prompts)"
     results["settings"] = vars(args) | {"threads": torch.get_num_threads()}
     output.write_text(json.dumps(results, indent=1) + "\n")
