@@ -661,4 +661,3 @@ def test_tuning_again_keeps_the_methods_it_does_not_measure():
     merged = tune.merge_candidates(earlier, fresh)
     assert merged == {"osprey@3": earlier["osprey@3"], "osprey@5": earlier["osprey@5"]} | fresh  # stale scratch@9 gone
     assert tune.choose(merged) == {"osprey": {"num_draft_tokens": 3}, "scratch": {"num_draft_tokens": 5}}
-    assert tune.choose(fresh) == {"scratch": {"num_draft_tokens": 5}}  # without the merge osprey's choice is lost
