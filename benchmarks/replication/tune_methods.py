@@ -145,7 +145,7 @@ def main() -> None:
     run = run_benchmark(target, tokenizer, methods, prompts, settings, output_path=runs_path, target_name=args.target)
     overall = {r["method"]: r for r in run["records"] if r["category"] == "overall"}
     keys = ("tau", "tokens_per_s", "speedup", "same_output_as_target")
-    results = {"target": {key: overall["target"][key] for key in keys}, "candidates": {}, "chosen": {}}
+    results = {"target": {key: overall["target"][key] for key in keys}, "candidates": {}}
     for method, name, _, own in grid:
         results["candidates"][name] = {"method": method, "settings": own} | {key: overall[name][key] for key in keys}
     output = Path(args.output)
