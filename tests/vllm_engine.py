@@ -1,0 +1,107 @@
+"""Runs vLLM for `tests/test_vllm.py`, inside vLLM's own environment (it imports nothing of osprey).
+
+    python tests/vllm_engine.py JOB.json
+
+The job names a target, optionally an exported drafter (`osprey export --format vllm`) and prompts as token ids. The
+script generates greedily in float32 with the target's tokenizer skipped, and writes next to the job:
+
+- `JOB.result.json`: each prompt's new token ids, vLLM's own spec-decode counters (drafts, draft tokens, accepted
+  tokens, accepted per position) and the acceptance length they give;
+- with `"record": true`, `JOB.first_pass.safetensors`: what the drafter saw and computed on its first forward over
+  the first prompt (token ids, positions, the target's tap states before `fc`, and logits at every position), read
+  with hooks on the drafter inside vLLM's worker.
+
+Errors (e.g. a drafter that does not fit the target) propagate: the script exits non-zero with vLLM's traceback.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+# One process: the engine core and the worker run here, so `collective_rpc` may ship plain functions.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def install_recorder(worker) -> bool:
+    """Wraps the drafter's `combine_hidden_states` and `forward` to keep its first multi-token forward."""
+    import torch
+
+    model = worker.model_runner.drafter.model
+    record = {}
+    combine, forward = model.combine_hidden_states, model.forward
+
+    def combine_hidden_states(hidden_states):
+        if "taps" not in record:
+            record["pending_taps"] = hidden_states.detach().clone()
+        return combine(hidden_states)
+
+    def recording_forward(input_ids, positions, hidden_states, inputs_embeds=None):
+        outputs = forward(input_ids, positions, hidden_states, inputs_embeds)
+        if "logits" not in record and input_ids is not None and input_ids.shape[0] > 1 and "pending_taps" in record:
+            record["taps"] = record.pop("pending_taps")
+            record["input_ids"] = input_ids.detach().clone()
+            record["positions"] = positions.detach().clone()
+            with torch.no_grad():
+                record["logits"] = model.compute_logits(outputs[0]).detach().clone()
+        return outputs
+
+    model.combine_hidden_states = combine_hidden_states
+    model.forward = recording_forward
+    worker._osprey_record = record
+    return True
+
+
+def read_record(worker) -> dict:
+    record = worker._osprey_record
+    return {name: record[name].cpu() for name in ("input_ids", "positions", "taps", "logits")}
+
+
+def main(job_path: str) -> None:
+    from osprey_vllm.metrics import acceptance_length, spec_decode_counters
+    from safetensors.torch import save_file
+    from vllm import LLM, SamplingParams
+
+    job_path = Path(job_path)
+    job = json.loads(job_path.read_text())
+    speculative_config = None
+    if job.get("drafter"):
+        speculative_config = {
+            "method": "eagle3",
+            "model": job["drafter"],
+            "num_speculative_tokens": job.get("num_speculative_tokens", 3),
+        }
+    llm = LLM(
+        model=job["target"],
+        dtype="float32",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=job.get("max_model_len", 256),
+        max_num_seqs=4,
+        seed=0,
+        disable_log_stats=False,
+        speculative_config=speculative_config,
+    )
+    if job.get("record"):
+        llm.collective_rpc(install_recorder)
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
+    outputs = []
+    # One prompt at a time: the first-pass record is the first prompt's, and batch composition cannot matter.
+    for prompt in job["prompts"]:
+        (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        outputs.append(list(output.outputs[0].token_ids))
+    if job.get("record"):
+        (record,) = llm.collective_rpc(read_record)
+        save_file({k: v.contiguous() for k, v in record.items()}, str(job_path.with_suffix(".first_pass.safetensors")))
+    counters = spec_decode_counters(llm) if speculative_config else None
+    result = {
+        "outputs": outputs,
+        "spec_decode": counters,
+        "acceptance_length": acceptance_length(counters) if counters else None,
+    }
+    job_path.with_suffix(".result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
