@@ -166,3 +166,25 @@ def test_no_two_modules_import_each_other():
     feature_cache = ROOT / "trainers" / "feature_cache.py"
     sources[feature_cache] += "\ndef f():\n    from .distill import load_target\n"
     assert ["trainers.distill", "trainers.feature_cache", "trainers.distill"] in import_cycles(sources)
+
+
+# Code that runs in vLLM's own environment, where the osprey package is not installed (its transformers pin conflicts
+# with vLLM's): the osprey-vllm plugin and the scripts that drive vLLM engines.
+VLLM_SIDE = sorted((ROOT / "serving" / "vllm").rglob("*.py")) + [
+    ROOT / "benchmarks" / "vllm" / "engine.py",
+    ROOT / "tests" / "vllm_engine.py",
+]
+
+
+def project_imports(path: Path, source: str | None = None) -> list[str]:
+    source = path.read_text(encoding="utf-8") if source is None else source
+    return [module for _, module in imported_modules(source, path) if module.split(".")[0] in FLOORS]
+
+
+def test_code_run_in_vllms_environment_imports_nothing_of_the_project():
+    assert len(VLLM_SIDE) >= 5 and all(path.exists() for path in VLLM_SIDE)
+    assert {str(path.relative_to(ROOT)): project_imports(path) for path in VLLM_SIDE} == {
+        str(path.relative_to(ROOT)): [] for path in VLLM_SIDE
+    }
+    # The control: a lazy import of the pipeline is found.
+    assert project_imports(VLLM_SIDE[0], "def f():\n    from osprey.export import VLLM\n") == ["osprey.export"]

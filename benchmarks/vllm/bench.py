@@ -13,8 +13,9 @@ is a subprocess in vLLM's environment (`benchmarks/vllm/engine.py`, `--vllm-pyth
 `--dtype`, eager (`enforce_eager`: an engine start without torch.compile takes ~1 min here instead of 2-4). Each
 engine's result is kept in `--work-dir`, so a rerun resumes. tau is vLLM's mean acceptance length (1 + accepted
 draft tokens per draft, from its spec-decode counters); speedup is tokens/s over vLLM alone's at the same concurrency.
-Writes OUTPUT (`records`: method, concurrency, tau, tokens_per_s, speedup; plus the tuning and the settings) and
-OUTPUT's .md and .png.
+Last, for the methods of `--profile`, a separate in-process run at `--concurrency` times the target's and the
+drafter's forward passes (where the time goes). Writes OUTPUT (`records`: method, concurrency, tau, tokens_per_s,
+speedup; plus the tuning, the profile and the settings) and OUTPUT's .md and .png.
 """
 
 import argparse
@@ -68,6 +69,20 @@ def run_engine(args, name: str, job: dict) -> dict:
     return json.loads(result_path.read_text())
 
 
+def job_of(args, target_dir: str, config: dict | None, prompt_ids: list, concurrencies: list[int], **extra) -> dict:
+    """One engine's job (see engine.py): the target in `--dtype`, eager, greedy, `--max-new-tokens`."""
+    return {
+        "target": target_dir,
+        "dtype": args.dtype,
+        "speculative_config": config,
+        "prompts": prompt_ids,
+        "max_tokens": args.max_new_tokens,
+        "phases": [{"concurrency": n} for n in concurrencies],
+        "enforce_eager": True,
+        **extra,
+    }
+
+
 def export_drafts(args) -> dict:
     """The draft checkpoints vLLM loads: exported Osprey and EAGLE-3 drafters, the draft model's folder."""
     drafts = {"draft-model": str(zoo.resolve_model_path(args.draft_model))}
@@ -88,15 +103,7 @@ def tune(args, drafts, target_dir, prompt_ids) -> dict:
     tuning = {}
     for method, lengths in args.grid.items():
         for num_tokens in lengths:
-            job = {
-                "target": target_dir,
-                "dtype": args.dtype,
-                "speculative_config": speculative_config(method, num_tokens, drafts),
-                "prompts": prompt_ids,
-                "max_tokens": args.max_new_tokens,
-                "phases": [{"concurrency": 1}],
-                "enforce_eager": True,
-            }
+            job = job_of(args, target_dir, speculative_config(method, num_tokens, drafts), prompt_ids, [1])
             (phase,) = run_engine(args, f"tune-{method}-{num_tokens}", job)["phases"]
             tuning.setdefault(method, {})[num_tokens] = {"tau": phase["tau"], "tokens_per_s": phase["tokens_per_s"]}
     return tuning
@@ -105,17 +112,32 @@ def tune(args, drafts, target_dir, prompt_ids) -> dict:
 def bench(args, drafts, target_dir, prompt_ids, chosen) -> dict:
     results = {}
     for method in METHODS:
-        job = {
-            "target": target_dir,
-            "dtype": args.dtype,
-            "speculative_config": speculative_config(method, chosen.get(method, 0), drafts),
-            "prompts": prompt_ids,
-            "max_tokens": args.max_new_tokens,
-            "phases": [{"concurrency": 1}, {"concurrency": args.concurrency}],
-            "enforce_eager": True,
-        }
+        config = speculative_config(method, chosen.get(method, 0), drafts)
+        job = job_of(args, target_dir, config, prompt_ids, [1, args.concurrency])
         results[method] = run_engine(args, f"bench-{method}", job)
     return results
+
+
+def profile(args, drafts, target_dir, prompt_ids, chosen) -> dict:
+    """Where the time goes at `--concurrency`: seconds in the target's and the drafter's forward passes, per method of
+    `--profile` (engines in-process, timers around both models; a separate run from the bench's)."""
+    profiles = {}
+    for method in args.profile:
+        config = speculative_config(method, chosen.get(method, 0), drafts)
+        job = job_of(args, target_dir, config, prompt_ids, [args.concurrency], profile=True)
+        (phase,) = run_engine(args, f"profile-{method}", job)["phases"]
+        steps = phase["forward_time"]["target"]["calls"]
+        profiles[method] = {
+            "concurrency": args.concurrency,
+            "seconds": phase["seconds"],
+            "tokens_per_s": phase["tokens_per_s"],
+            "tau": phase["tau"],
+            "target_steps": steps,
+            "target_tokens_per_step": phase["forward_time"]["target"]["tokens"] / steps,
+            "target_seconds_per_step": phase["forward_time"]["target"]["seconds"] / steps,
+            "forward_time": phase["forward_time"],
+        }
+    return profiles
 
 
 def records_of(results: dict, chosen: dict) -> list[dict]:
@@ -159,6 +181,23 @@ def write_report(output: Path, summary: dict) -> None:
             f"| {r['method']} | {r['num_speculative_tokens'] or ''} | {r['concurrency']} | {tau} | "
             f"{r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {r['outputs_identical_to_vllm']} |"
         )
+    if summary.get("profile"):
+        lines += [
+            "",
+            "Where the time goes (a separate, in-process run at the same concurrency, timers around both models):",
+            "",
+            "| method | tokens/s | target steps | tokens per target step | s per target step | target s | "
+            "drafter s | other s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for method, p in summary["profile"].items():
+            target_s = p["forward_time"]["target"]["seconds"]
+            drafter_s = p["forward_time"].get("drafter", {}).get("seconds", 0.0)
+            lines.append(
+                f"| {method} | {p['tokens_per_s']:.2f} | {p['target_steps']} | {p['target_tokens_per_step']:.1f} | "
+                f"{p['target_seconds_per_step']:.3f} | {target_s:.1f} | {drafter_s:.1f} | "
+                f"{p['seconds'] - target_s - drafter_s:.1f} |"
+            )
     lines += ["", "Tuning (held-out prompts, concurrency 1): tokens/s (τ) per draft length", ""]
     for method, by_length in summary["tuning"].items():
         cells = ", ".join(f"{n}: {v['tokens_per_s']:.2f} ({v['tau']:.2f})" for n, v in by_length.items())
@@ -200,12 +239,19 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8, help="concurrent requests of the second phase")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument(
+        "--profile", default="vllm,osprey", help="methods whose time split at --concurrency is measured ('' for none)"
+    )
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--work-dir", default=os.environ.get("RUNS", "/work/runs") + "/vllm-bench")
     parser.add_argument("--output", required=True, help="results JSON; .md and .png beside it")
     args = parser.parse_args(argv)
     args.drafter = args.drafter.removeprefix("osprey=")
     args.grid = parse_grid(args.num_draft_tokens)
+    args.profile = [method for method in args.profile.split(",") if method]
+    unknown = set(args.profile) - set(METHODS)
+    if unknown:
+        raise SystemExit(f"--profile takes methods of {', '.join(METHODS)}, not {', '.join(sorted(unknown))}")
     suites = args.prompts or ["spec_bench", "mt_bench", "humaneval", "mmath"]
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
 
@@ -219,7 +265,9 @@ def main(argv=None) -> int:
 
     tuning = tune(args, drafts, target_dir, encode(tune_prompts, tokenizer))
     chosen = {method: max(lengths, key=lambda n: lengths[n]["tokens_per_s"]) for method, lengths in tuning.items()}
-    results = bench(args, drafts, target_dir, encode(bench_prompts, tokenizer), chosen)
+    bench_ids = encode(bench_prompts, tokenizer)
+    results = bench(args, drafts, target_dir, bench_ids, chosen)
+    profiles = profile(args, drafts, target_dir, bench_ids, chosen)
     version = subprocess.run(
         [args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
     ).stdout.strip()
@@ -238,6 +286,7 @@ def main(argv=None) -> int:
         "tuning": tuning,
         "chosen": chosen,
         "records": records_of(results, chosen),
+        "profile": profiles,
     }
     output = Path(args.output)
     output.write_text(json.dumps(summary, indent=1) + "\n")
