@@ -79,6 +79,8 @@ def main(job_path: str) -> None:
         enforce_eager=True,
         max_model_len=job.get("max_model_len", 256),
         max_num_seqs=4,
+        # On CPU: the share of the machine's memory that must be free at start (the pytest process holds some).
+        gpu_memory_utilization=0.5,
         seed=0,
         disable_log_stats=False,
         speculative_config=speculative_config,
