@@ -2,8 +2,8 @@
 (the target's small sibling), an EAGLE-3 drafter (stock vLLM, `osprey export --format speculators`) and an Osprey
 drafter (the osprey-vllm plugin, `--format vllm`), at one request at a time and at N concurrent requests.
 
-    python benchmarks/vllm/bench.py --target qwen2.5-coder-1.5b-instruct --drafter osprey=DIR --eagle3 DIR \\
-        --draft-model qwen2.5-coder-0.5b-instruct --per-category 1 --max-new-tokens 64 \\
+    python benchmarks/vllm/bench.py --target qwen2.5-coder-1.5b-instruct --drafter osprey=DIR --drafter eagle3=DIR \\
+        --sps qwen2.5-coder-0.5b-instruct --per-category 1 --max-new-tokens 64 \\
         --output benchmarks/results/vllm-qwen2.5-coder-1.5b-instruct.json
 
 First each speculative method's draft length (vLLM's `num_speculative_tokens`) is chosen on held-out prompts, never
@@ -85,8 +85,9 @@ def job_of(args, target_dir: str, config: dict | None, prompt_ids: list, concurr
 
 def export_drafts(args) -> dict:
     """The draft checkpoints vLLM loads: exported Osprey and EAGLE-3 drafters, the draft model's folder."""
-    drafts = {"draft-model": str(zoo.resolve_model_path(args.draft_model))}
-    for method, source, export_format in (("osprey", args.drafter, VLLM), ("eagle3", args.eagle3, SPECULATORS)):
+    drafts = {"draft-model": str(zoo.resolve_model_path(args.sps))}
+    for method, export_format in (("osprey", VLLM), ("eagle3", SPECULATORS)):
+        source = args.drafters[method]
         output = Path(args.work_dir) / f"{method}-{export_format}"
         if not (output / "config.json").exists():
             export_drafter(source, export_format, output, target=args.target)
@@ -228,9 +229,14 @@ def parse_grid(values: list[str]) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, help="zoo name or local directory of the target")
-    parser.add_argument("--drafter", required=True, metavar="osprey=DIR", help="the Osprey drafter (Osprey format)")
-    parser.add_argument("--eagle3", required=True, metavar="DIR", help="the EAGLE-3 drafter (Osprey format)")
-    parser.add_argument("--draft-model", required=True, help="zoo name or directory of the draft model")
+    parser.add_argument(
+        "--drafter",
+        action="append",
+        required=True,
+        metavar="NAME=DIR",
+        help="osprey=DIR (the Osprey drafter) and eagle3=DIR (the EAGLE-3 drafter), both in Osprey's format",
+    )
+    parser.add_argument("--sps", required=True, metavar="MODEL", help="the draft model: zoo name or directory")
     parser.add_argument("--prompts", action="append", metavar="SUITE", help="suites (default: the replication's four)")
     parser.add_argument("--per-category", type=int, default=1, help="bench prompts per category (default: 1)")
     parser.add_argument("--seed", type=int, default=0)
@@ -246,7 +252,9 @@ def main(argv=None) -> int:
     parser.add_argument("--work-dir", default=os.environ.get("RUNS", "/work/runs") + "/vllm-bench")
     parser.add_argument("--output", required=True, help="results JSON; .md and .png beside it")
     args = parser.parse_args(argv)
-    args.drafter = args.drafter.removeprefix("osprey=")
+    args.drafters = dict(value.split("=", 1) for value in args.drafter if "=" in value)
+    if sorted(args.drafters) != ["eagle3", "osprey"] or len(args.drafter) != 2:
+        raise SystemExit("--drafter takes osprey=DIR and eagle3=DIR, once each")
     args.grid = parse_grid(args.num_draft_tokens)
     args.profile = [method for method in args.profile.split(",") if method]
     unknown = set(args.profile) - set(METHODS)
@@ -281,7 +289,7 @@ def main(argv=None) -> int:
         "num_prompts": len(bench_prompts),
         "num_tune_prompts": len(tune_prompts),
         "tune_prompt_categories": [p.category for p in tune_prompts],
-        "drafts": {"osprey": args.drafter, "eagle3": args.eagle3, "draft-model": args.draft_model},
+        "drafts": {**args.drafters, "draft-model": args.sps},
         "ngram": NGRAM_LOOKUP,
         "tuning": tuning,
         "chosen": chosen,
