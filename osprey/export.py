@@ -241,8 +241,9 @@ def export_drafter(
     if not isinstance(drafter, OspreyForDrafting):
         source_dir = Path(drafter)
         drafter = load_drafter(source_dir)
-    if target is not None:
-        drafter.config.check_target(AutoConfig.from_pretrained(zoo.resolve_model_path(target)), name_or_path=None)
+    target_config = None if target is None else AutoConfig.from_pretrained(zoo.resolve_model_path(target))
+    if target_config is not None:
+        drafter.config.check_target(target_config, name_or_path=None)
     problems = export_problems(drafter.config, export_format)
     if drafter.config.hidden_size == drafter.config.target_hidden_size:
         problems += filter(None, [_check_target_embedding(drafter, target)])
@@ -257,9 +258,7 @@ def export_drafter(
             verifier or _verifier_name(target) or _converted_for(source_dir) or drafter.config.target_name_or_path
         )
     if export_format == SPECULATORS:
-        architectures = (
-            [] if target is None else AutoConfig.from_pretrained(zoo.resolve_model_path(target)).architectures
-        )
+        architectures = None if target_config is None else target_config.architectures
         config = speculators_config(drafter, verifier, architectures or [])
     elif export_format == VLLM:
         config = vllm_config(drafter, verifier)

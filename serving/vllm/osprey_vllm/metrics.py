@@ -16,10 +16,8 @@ def spec_decode_counters(llm) -> dict:
 
 def counters_between(before: dict, after: dict) -> dict:
     """The counters of what ran between two `spec_decode_counters` readings."""
-    per_position = [
-        a - (before["num_accepted_tokens_per_pos"][i : i + 1] or [0])[0]
-        for i, a in enumerate(after["num_accepted_tokens_per_pos"])
-    ]
+    earlier, later = before["num_accepted_tokens_per_pos"], after["num_accepted_tokens_per_pos"]
+    per_position = [a - (earlier[i] if i < len(earlier) else 0) for i, a in enumerate(later)]  # earlier: [] at first
     return {name: after[name] - before[name] for name in COUNTERS[:3]} | {"num_accepted_tokens_per_pos": per_position}
 
 
