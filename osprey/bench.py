@@ -17,6 +17,7 @@ Results are saved after every request; re-running with the same `--output` skips
 import hashlib
 import json
 import os
+import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass, field, replace
@@ -28,9 +29,10 @@ from tqdm.auto import tqdm
 from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
 from modeling_osprey.decoding_osprey import default_tree_size
 
-from .bench_report import save_report, summarize
+from .bench_report import UNEXPLAINED_ERROR, save_report, summarize, unexplained
 from .bench_suites import SUITES, BenchPrompt, load_suite, select_subset
 from .decode import add_decoding_arguments, encode_prompt, speculative_generate, target_generate
+from .near_tie import explain, first_divergence, upcast
 from .pack import custom_generate_folder, load_drafter
 
 RESULTS_FORMAT = 1
@@ -251,6 +253,7 @@ def run_request(target, tokenizer, method: BenchMethod, prompt: BenchPrompt, set
             "other": wall_time_s - prefill_s - verify_s - draft_s,
         },
         "output_sha256": hashlib.sha256(json.dumps(new_ids).encode()).hexdigest(),
+        "output_ids": new_ids,
         "completion": tokenizer.decode(new_ids, skip_special_tokens=True),
     }
 
@@ -362,8 +365,69 @@ def run_benchmark(
             warmed.add(method.name)
         results["requests"].append(run_request(target, tokenizer, method, prompt, settings))
         _save(results, output_path)
+    label_divergences(target, tokenizer, results, prompts)
     _save(results, output_path)
     return results
+
+
+def label_divergences(target, tokenizer, results: dict, prompts: list[BenchPrompt]) -> None:
+    """Gives every greedy request whose output differs from the target alone's on the same prompt its `divergence`
+    (`osprey.near_tie`: the first differing new token, the float32 margin there and the rounding bound, "near tie" or
+    "UNEXPLAINED"), and equal ones `divergence: None`. One float32 pass over the target for all of them. Requests
+    already labelled are skipped, and so are those whose prompt is not in `prompts` or whose token ids cannot be
+    had (`output_token_ids`)."""
+    baseline = next((name for name, spec in results["methods"].items() if spec == "target"), None)
+    if baseline is None or results["settings"]["do_sample"]:
+        return
+    eos = target.generation_config.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    references = {_request_key(row)[1:]: row for row in results["requests"] if row["method"] == baseline}
+    texts = {(prompt.suite, prompt.category, prompt.prompt_id): prompt.text for prompt in prompts}
+    differing = []
+    for row in results["requests"]:
+        key = _request_key(row)[1:]
+        if row["method"] == baseline or "divergence" in row or key not in references or key not in texts:
+            continue
+        if row["output_sha256"] == references[key]["output_sha256"]:
+            row["divergence"] = None
+            continue
+        reference = output_token_ids(references[key], tokenizer, eos_ids)
+        output = output_token_ids(row, tokenizer, eos_ids, guide=reference)
+        if None not in (output, reference):
+            differing.append((row, key, output, reference))
+    if not differing:
+        return
+    dtype = next(target.parameters()).dtype
+    explained = {}  # methods often leave the target's output at the same token: one forward for all of them
+    with upcast(target):
+        for row, key, output, reference in differing:
+            position = first_divergence(reference, output)
+            same = (key, position, tuple(reference[: position + 1]), tuple(output[: position + 1]))
+            if same not in explained:
+                prompt_ids = encode_prompt(tokenizer, texts[key], results["settings"]["chat_template"])
+                explained[same] = explain(target, prompt_ids, reference, output, dtype).to_dict()
+            row["divergence"] = explained[same]
+
+
+def output_token_ids(row: dict, tokenizer, eos_ids: list[int], guide: list[int] | None = None) -> list[int] | None:
+    """A request's new token ids: saved (`output_ids`), or, for results saved before they were, its completion
+    tokenized again when that matches its saved `output_sha256`. Tried: the whole completion, and the tokens of
+    `guide` (another output of the same prompt) as far as their text begins the completion followed by the rest
+    tokenized, each also with an eos appended (decoding may have ended on one). None if nothing matches."""
+    if "output_ids" in row:
+        return row["output_ids"]
+    text = row["completion"]
+    heads = [[]]
+    if guide:
+        decoded = [tokenizer.decode(guide[:k], skip_special_tokens=True) for k in range(len(guide) + 1)]
+        heads.append(guide[: max(k for k, prefix in enumerate(decoded) if text.startswith(prefix))])
+    for head in heads:
+        rest = text[len(tokenizer.decode(head, skip_special_tokens=True)) :]
+        ids = head + tokenizer(rest, add_special_tokens=False)["input_ids"]
+        for candidate in [ids] + [ids + [eos] for eos in eos_ids]:
+            if hashlib.sha256(json.dumps(candidate).encode()).hexdigest() == row["output_sha256"]:
+                return candidate
+    return None
 
 
 def parse_method_specs(drafters: list[str], baselines: str) -> list[tuple[str, str]]:
@@ -573,4 +637,7 @@ def _run_bench(args) -> int:
     )
     markdown = save_report(results, Path(args.output))
     print(markdown)
+    if unexplained(results):
+        print(UNEXPLAINED_ERROR.format(count=len(unexplained(results))), file=sys.stderr)
+        return 1
     return 0

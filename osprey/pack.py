@@ -237,7 +237,7 @@ def add_subcommand(subparsers) -> None:
     parser.set_defaults(run=_run_pack)
     parser = subparsers.add_parser("unpack", help="write a packed drafter or checkpoint as an ordinary checkpoint")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--drafter", help="packed drafter directory, e.g. osprey/demo_drafter")
+    source.add_argument("--drafter", help="packed drafter directory, e.g. osprey/demo_drafter_qwen")
     source.add_argument("--checkpoint", help="directory written by `osprey pack --checkpoint`")
     parser.add_argument("--output", required=True, help="new (or empty) directory for the checkpoint")
     parser.set_defaults(run=_run_unpack)

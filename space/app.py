@@ -13,10 +13,13 @@ from pathlib import Path
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a demo of local models reports to nobody
 
 import gradio as gr
-from allowlist import ModelCatalog
-from live_decoding import ACCEPTED, APP_DIR, OUTPUT_NAMES, ROUTES, TARGET, OspreySpace
+from allowlist import PAGE_SETTINGS, ModelCatalog
+from live_decoding import ACCEPTED, APP_DIR, ROUTES, TARGET, OspreySpace
 
 EXAMPLES = [  # (label, prompt): the categories and languages where drafters differ most
+    # The page opens on the first: `osprey demo`'s chat prompt, 1.98x the target alone there on 2 CPU cores with the
+    # drafter shipped before issue 53 (benchmarks/results/demo-qwen2.5-coder-1.5b-instruct-int8.json).
+    ("chat · en", "Give me three tips for staying focused while working from home."),
     ("code · en", "Write a Python function that returns True when a string is a palindrome, ignoring case."),
     ("code · en", "Write an SQL query listing each customer's three most recent orders."),
     ("math · en", "A train covers 180 km in 2.5 hours. What is its average speed? Show the steps."),
@@ -31,8 +34,9 @@ EXAMPLES = [  # (label, prompt): the categories and languages where drafters dif
 ]
 
 INTRO = """# Osprey: speculative decoding, live
-A small **drafter** proposes a chain of tokens, the **target** checks the whole chain in one forward pass and keeps
-the longest prefix it agrees with, plus one token of its own. The output is exactly the target's (greedy: token for
+A small **drafter** proposes tokens (a chain, or a tree of alternatives, optionally with one more branch copied from
+what followed the same words earlier in the text), the **target** checks them all in one forward pass and keeps the
+longest path it agrees with, plus one token of its own. The output is exactly the target's (greedy: token for
 token; sampling: the same distribution), only faster when the drafter is good. **τ** is the mean number of tokens per
 verification step; speedup compares with the target decoding alone, measured right after on the same machine."""
 
@@ -40,34 +44,27 @@ STAT_LABELS = {
     "tau": "τ (tokens per verify step)",
     "osprey_tokens_per_s": "Osprey tokens/s",
     "target_tokens_per_s": "Target-only tokens/s",
-    "speedup": "Speedup ×",
+    "speedup": "Speedup over the target alone",
     "new_tokens": "New tokens",
     "verify_steps": "Verify steps",
 }
 
 
-def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
-    """The page. `prefill` (the `generate` arguments) runs once before serving and opens the page on its result,
-    for screenshots; otherwise the outputs start empty."""
+def build_demo(space: OspreySpace) -> gr.Blocks:
+    """The page, opened on the first example with the first target and drafter, and that drafter's settings
+    (measured ones for a drafter `osprey demo` ships: `ModelCatalog.settings`); press Generate to run it."""
     catalog, limits = space.catalog, space.limits
     first_target = catalog.target_names()[0]
+    first_drafter = catalog.drafter_names(first_target)[0]
     request = {
-        "prompt": "",
+        "prompt": EXAMPLES[0][1],
         "target_name": first_target,
-        "drafter_name": catalog.drafter_names(first_target)[0],
-        "num_draft_tokens": 5,
-        "confidence_threshold": 0.0,
+        "drafter_name": first_drafter,
+        **catalog.settings(first_target, first_drafter),
         "temperature": 0.0,
-        "draft_topk": 1,
-        "tree_size": 10,
         "route": "standalone",
         "max_new_tokens": min(128, limits.max_new_tokens),
     }
-    results = dict.fromkeys(OUTPUT_NAMES)
-    if prefill:
-        request |= prefill
-        *_, last = space.generate(**request)
-        results = dict(zip(OUTPUT_NAMES, last))
     # Every allow-listed drafter is a valid choice server-side; picking a target narrows the list in the page.
     all_drafters = list(
         dict.fromkeys(name for target in catalog.target_names() for name in catalog.drafter_names(target))
@@ -83,18 +80,40 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
                     lines=4,
                     max_length=limits.max_prompt_chars,
                     placeholder="Ask anything, or pick an example below.",
+                    elem_id="prompt",
                 )
+                run = gr.Button("Generate", variant="primary", elem_id="generate")
                 gr.Examples(
                     [[text] for _, text in EXAMPLES],
                     inputs=[prompt],
                     example_labels=[label for label, _ in EXAMPLES],
                     examples_per_page=len(EXAMPLES),
+                    elem_id="examples",
                 )
+                # The results beside the controls, so a run's speedup shows without scrolling.
+                with gr.Row():
+                    stats = [
+                        gr.Textbox(label=label, interactive=False, max_lines=1, min_width=100, elem_id=f"stat-{name}")
+                        for name, label in STAT_LABELS.items()
+                    ]
+                osprey_output = gr.HighlightedText(
+                    label="Osprey: target + drafter",
+                    show_legend=True,
+                    show_inline_category=False,
+                    color_map={ACCEPTED: "#34d399", TARGET: "#fbbf24"},
+                    elem_id="osprey-output",
+                )
+                target_output = gr.Textbox(label="Target only", lines=6, interactive=False, elem_id="target-output")
             with gr.Column(scale=2):
                 target = gr.Dropdown(catalog.target_names(), value=request["target_name"], label="Target")
                 drafter = gr.Dropdown(all_drafters, value=request["drafter_name"], label="Osprey drafter")
                 num_draft_tokens = gr.Slider(
-                    1, limits.max_draft_tokens, value=request["num_draft_tokens"], step=1, label="Draft length"
+                    1,
+                    limits.max_draft_tokens,
+                    value=request["num_draft_tokens"],
+                    step=1,
+                    label="Draft length",
+                    elem_id="num_draft_tokens",
                 )
                 draft_topk = gr.Slider(
                     1,
@@ -102,13 +121,24 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
                     value=request["draft_topk"],
                     step=1,
                     label="Branching: draft a tree of the K most probable continuations per level (1 = chains)",
+                    elem_id="draft_topk",
                 )
                 tree_size = gr.Slider(
                     1,
                     limits.max_tree_size,
                     value=request["tree_size"],
                     step=1,
-                    label="Tree size: draft nodes the target verifies per step (trees only)",
+                    label="Tree size: draft nodes the target verifies per step (trees, or chains with a lookup branch)",
+                    elem_id="tree_size",
+                )
+                prompt_lookup = gr.Slider(
+                    0,
+                    limits.max_prompt_lookup_tokens,
+                    value=request["prompt_lookup_num_tokens"],
+                    step=1,
+                    label="Prompt-lookup branch: one more branch of every draft, up to this many tokens that followed "
+                    "the last two earlier in the text (0 = none)",
+                    elem_id="prompt_lookup_num_tokens",
                 )
                 route = gr.Radio(
                     [(label, name) for name, label in ROUTES.items()],
@@ -121,6 +151,7 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
                     value=request["confidence_threshold"],
                     step=0.05,
                     label="Early stop: end a chain after a draft below this probability (0 = full chains)",
+                    elem_id="confidence_threshold",
                 )
                 temperature = gr.Slider(
                     0, limits.max_temperature, value=request["temperature"], step=0.05, label="Temperature (0 = greedy)"
@@ -128,22 +159,7 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
                 max_new_tokens = gr.Slider(
                     1, limits.max_new_tokens, value=request["max_new_tokens"], step=1, label="Max new tokens"
                 )
-                run = gr.Button("Generate", variant="primary")
-        with gr.Row():
-            stats = [
-                gr.Textbox(value=results[name], label=label, interactive=False, max_lines=1)
-                for name, label in STAT_LABELS.items()
-            ]
-        with gr.Row(equal_height=True):
-            osprey_output = gr.HighlightedText(
-                value=results["osprey"],
-                label="Osprey: target + drafter",
-                show_legend=True,
-                show_inline_category=False,
-                color_map={ACCEPTED: "#34d399", TARGET: "#fbbf24"},
-            )
-            target_output = gr.Textbox(value=results["target_only"], label="Target only", lines=10, interactive=False)
-        tree_view = gr.HTML(value=results["tree"] or "", label="Last verified draft tree (accepted path in green)")
+        tree_view = gr.HTML(label="Last verified draft tree (accepted path in green)", elem_id="tree")
         gr.Markdown("## τ per category and language, from saved benchmarks")
         benchmark_plot = gr.ScatterPlot(
             x="category",
@@ -158,6 +174,17 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
         benchmark_note = gr.Markdown()
 
         target.change(space.drafter_choices, target, drafter, api_name=False)
+        drafting = {
+            "num_draft_tokens": num_draft_tokens,
+            "draft_topk": draft_topk,
+            "tree_size": tree_size,
+            "prompt_lookup_num_tokens": prompt_lookup,
+            "confidence_threshold": confidence_threshold,
+        }
+        # Picking a drafter sets the shape it decodes best with (its measured settings, else the page's defaults).
+        drafter.change(
+            space.drafter_settings, [target, drafter], [drafting[name] for name in PAGE_SETTINGS], api_name=False
+        )
         inputs = [
             prompt,
             target,
@@ -169,6 +196,7 @@ def build_demo(space: OspreySpace, prefill: dict | None = None) -> gr.Blocks:
             draft_topk,
             tree_size,
             route,
+            prompt_lookup,
         ]
         # One generation at a time: timings are only honest without other requests competing for the hardware.
         gr.on(
@@ -201,16 +229,9 @@ def main() -> None:
     parser.add_argument("--results", default=os.environ.get("OSPREY_SPACE_RESULTS"), help="benchmark results folder")
     parser.add_argument("--host", help="address to serve on (default: Gradio's, 127.0.0.1 locally)")
     parser.add_argument("--port", type=int)
-    parser.add_argument(
-        "--prefill-example",
-        type=int,
-        metavar="INDEX",
-        help="run EXAMPLES[INDEX] with the first target and drafter before serving, and open on its result",
-    )
     args = parser.parse_args()
     space = OspreySpace(ModelCatalog.from_json(args.models), results_dir=args.results)
-    prefill = None if args.prefill_example is None else {"prompt": EXAMPLES[args.prefill_example][1]}
-    build_demo(space, prefill).launch(server_name=args.host, server_port=args.port)
+    build_demo(space).launch(server_name=args.host, server_port=args.port)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 import torch
-from allowlist import ModelCatalog
+from allowlist import PAGE_SETTINGS, ModelCatalog
 from transformers.generation.streamers import BaseStreamer
 
 from osprey.decode import SpeculativeStats, encode_prompt, speculative_generate, target_generate
@@ -51,6 +51,7 @@ class Limits:
     max_draft_tokens: int = 10
     max_draft_topk: int = 8
     max_tree_size: int = 64
+    max_prompt_lookup_tokens: int = 16
     max_temperature: float = 2.0
     max_queue: int = 20
 
@@ -150,6 +151,12 @@ class OspreySpace:
         names = self._checked(self.catalog.drafter_names, target_name)
         return gr.Dropdown(choices=names, value=names[0])
 
+    def drafter_settings(self, target_name: str, drafter_name: str) -> tuple:
+        """The drafting controls' values (`PAGE_SETTINGS` order) for a drafter: its measured settings when it has
+        them (`ModelCatalog.settings`), so picking a drafter sets the shape it decodes best with."""
+        settings = self._checked(self.catalog.settings, target_name, drafter_name)
+        return tuple(settings[name] for name in PAGE_SETTINGS)
+
     def generate(
         self,
         prompt,
@@ -162,16 +169,21 @@ class OspreySpace:
         draft_topk=1,
         tree_size=None,
         route="standalone",
+        prompt_lookup_num_tokens=0,
     ):
         """Streams the outputs in `OUTPUT_NAMES` order: Osprey's run step by step (with the last verified draft tree
-        when drafting trees, `draft_topk` > 1), then the target alone. The statistics are strings, blank until known,
-        as a Number box would show a misleading 0. `route` (a key of `ROUTES`) picks how Osprey's run decodes."""
+        when drafting trees: `draft_topk` > 1 or a prompt-lookup branch of up to `prompt_lookup_num_tokens`), then the
+        target alone. The statistics are strings, blank until known, as a Number box would show a misleading 0 (the
+        speedup as "1.85x"). `route` (a key of `ROUTES`) picks how Osprey's run decodes."""
         if route not in ROUTES:
             raise gr.Error(f"Unknown route {route!r}: choose one of {', '.join(ROUTES)}.")
         num_draft_tokens, max_new_tokens, temperature = int(num_draft_tokens), int(max_new_tokens), float(temperature)
         confidence_threshold, draft_topk = float(confidence_threshold), int(draft_topk)
         tree_size = int(tree_size) if tree_size else num_draft_tokens * draft_topk
-        self._check_settings(num_draft_tokens, temperature, max_new_tokens, confidence_threshold, draft_topk, tree_size)
+        lookup = int(prompt_lookup_num_tokens or 0)
+        self._check_settings(
+            num_draft_tokens, temperature, max_new_tokens, confidence_threshold, draft_topk, tree_size, lookup
+        )
         target, tokenizer, drafter = self._checked(self.catalog.load, target_name, drafter_name)
         request = _Request(
             target,
@@ -186,6 +198,7 @@ class OspreySpace:
             draft_topk,
             tree_size,
             route,
+            lookup,
         )
         if route == "custom":
             self._checked(custom_generate_folder, drafter, drafter_name)
@@ -209,7 +222,7 @@ class OspreySpace:
                 stats.verify_steps,
                 tree=tree,
             )
-        speedup = stats.tokens_per_s / target_rate
+        speedup = f"{stats.tokens_per_s / target_rate:.2f}x"
         yield _row(
             osprey,
             target_only,
@@ -243,14 +256,21 @@ class OspreySpace:
         confidence_threshold: float,
         draft_topk: int = 1,
         tree_size: int = 1,
+        prompt_lookup_num_tokens: int = 0,
     ) -> None:
         limits = self.limits
         if draft_topk > 1 and confidence_threshold > 0:
             raise gr.Error("Early stop ends chains; a tree (branching > 1) is pruned by its size instead. Set one.")
+        if prompt_lookup_num_tokens > 0 and confidence_threshold > 0:
+            raise gr.Error(
+                "Early stop ends chains; a prompt-lookup branch makes the draft a tree, pruned by its size instead. "
+                "Set one of the two to 0."
+            )
         for name, value, low, high in [
             ("Draft length", num_draft_tokens, 1, limits.max_draft_tokens),
             ("Branching", draft_topk, 1, limits.max_draft_topk),
             ("Tree size", tree_size, 1, limits.max_tree_size),
+            ("Prompt-lookup branch", prompt_lookup_num_tokens, 0, limits.max_prompt_lookup_tokens),
             ("Early stop", confidence_threshold, 0, 1),
             ("Temperature", temperature, 0, limits.max_temperature),
             ("Max new tokens", max_new_tokens, 1, limits.max_new_tokens),
@@ -297,17 +317,30 @@ class _Request:
     draft_topk: int = 1
     tree_size: int | None = None
     route: str = "standalone"
+    prompt_lookup_num_tokens: int = 0
 
     @property
     def sampling(self) -> dict:
         return {"do_sample": True, "temperature": self.temperature} if self.temperature > 0 else {"do_sample": False}
 
+    @property
+    def drafting(self) -> dict:
+        """The drafting shape, as `speculative_generate` takes it."""
+        return {
+            "num_draft_tokens": self.num_draft_tokens,
+            "confidence_threshold": self.confidence_threshold,
+            "draft_topk": self.draft_topk,
+            "tree_size": self.tree_size,
+            "prompt_lookup_num_tokens": self.prompt_lookup_num_tokens,
+        }
+
 
 def _warm_up(request: _Request) -> None:
-    """A few tokens through both decoding paths, so that neither timed run pays for lazy initialisation."""
+    """A few tokens through both decoding paths (Osprey's with the request's drafting shape), so that neither timed
+    run pays for lazy initialisation."""
     short = {"max_new_tokens": 3, "eos_token_id": None}
     with request.lock:
-        speculative_generate(request.target, request.drafter, request.input_ids[:, :8], **short)
+        speculative_generate(request.target, request.drafter, request.input_ids[:, :8], **short, **request.drafting)
         if request.route == "custom":  # loading the folder's custom_generate module is a first-call cost too
             short_request = _Request(**{**vars(request), "input_ids": request.input_ids[:, :8], "max_new_tokens": 3})
             _custom_generate(short_request, lambda item: None)
@@ -328,7 +361,8 @@ def _custom_generate(request: _Request, emit) -> tuple[torch.LongTensor, Specula
         max_new_tokens=request.max_new_tokens,
         num_draft_tokens=request.num_draft_tokens,
         draft_topk=request.draft_topk,
-        tree_size=request.tree_size if request.draft_topk > 1 else None,
+        tree_size=request.tree_size if request.draft_topk > 1 or request.prompt_lookup_num_tokens > 0 else None,
+        prompt_lookup_num_tokens=request.prompt_lookup_num_tokens,
         eos_token_id=request.target.generation_config.eos_token_id,
         pad_token_id=request.tokenizer.pad_token_id or 0,
         **request.sampling,
@@ -370,14 +404,11 @@ def _stream_osprey(request: _Request):
             request.drafter,
             request.input_ids,
             max_new_tokens=request.max_new_tokens,
-            num_draft_tokens=request.num_draft_tokens,
-            confidence_threshold=request.confidence_threshold,
-            draft_topk=request.draft_topk,
-            tree_size=request.tree_size,
             eos_token_id=target.generation_config.eos_token_id,
             generator=generator,
             on_tokens=lambda tokens, accepted: emit((tokens, None, None)) if accepted is None else None,
             on_step=lambda step: emit((step.emitted, step.accepted, step)),
+            **request.drafting,
             **request.sampling,
         ),
         request.lock,

@@ -1,19 +1,28 @@
 """`osprey demo` and the packed (int8-row) drafter format: packing round-trips within its quantization error and
-still decodes losslessly; the packaged drafter is there, small, names its target and loads; the CLI runs end to end
-and refuses bad input."""
+still decodes losslessly; the packaged drafter is there, small, names its target and is package data; the SmolLM2
+pilot kept in the repository loads and drafts through `osprey demo --drafter`; the CLI runs end to end and refuses
+bad input."""
 
 import json
+from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 from test_bench import models  # noqa: F401 (fixture: a near-copy target and drafter, a char tokenizer)
 from test_decoding import plain_greedy, prompt
 
 from osprey import OspreyForDrafting
 from osprey.cli import main
+from osprey.compact import PACK_MANIFEST, PACK_WEIGHTS, read_manifest
 from osprey.decode import speculative_generate
-from osprey.demo import DEMO_CONFIDENCE_THRESHOLD, DEMO_DRAFTER_DIR, DEMO_PROMPTS, DEMO_TARGET, DEMOS
+from osprey.demo import DEMO_CONFIDENCE_THRESHOLD, DEMO_PROMPTS, DEMO_TARGET, DEMOS, REPOSITORY_DRAFTERS
 from osprey.pack import PACKED_WEIGHTS, load_drafter, pack_drafter
+from osprey.zoo import ZOO
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+PILOT = "smollm2-135m-instruct"
+PILOT_DRAFTER_DIR = REPOSITORY / REPOSITORY_DRAFTERS[PILOT]  # the SmolLM2 pilot: packed, int8 rows, not shipped
 
 
 @pytest.fixture
@@ -105,32 +114,71 @@ def test_pack_and_demo_refuse_bad_input(packed, tmp_path, capsys):
     assert "osprey unpack" in capsys.readouterr().err
 
 
-def test_packaged_drafters_are_small_name_their_targets_and_load():
+def test_packaged_drafters_are_small_name_their_targets_and_are_package_data():
+    package_data = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert package_data["osprey"] == [f"{choice.drafter_dir.name}/*" for choice in DEMOS.values()]  # all it ships
     for target_name, choice in DEMOS.items():  # every drafter the package ships, under the 50 MB a product may take
         files = {path.name: path.stat().st_size for path in choice.drafter_dir.iterdir()}
         assert "README.md" in files and "config.json" in files and sum(files.values()) <= 50 * 2**20, target_name
+        assert {PACK_MANIFEST, PACK_WEIGHTS} <= files.keys(), target_name  # packed against a zoo model
         config = json.loads((choice.drafter_dir / "config.json").read_text())
         assert config["target_name_or_path"] == target_name
-    assert DEMO_TARGET in DEMOS
-    files = {path.name: path.stat().st_size for path in DEMO_DRAFTER_DIR.iterdir()}
-    assert PACKED_WEIGHTS in files
-    drafter = load_drafter(DEMO_DRAFTER_DIR)
-    assert drafter.config.target_name_or_path == "smollm2-135m-instruct" and drafter.config.vocab_size == 49152
+        assert read_manifest(choice.drafter_dir)["reference"] in ZOO  # rebuilt from the zoo, no Hub access
+    assert DEMO_TARGET in DEMOS and PILOT not in DEMOS
+
+
+def test_the_pilot_drafter_kept_in_the_repository_loads_and_is_named_when_asked_for(capsys):
+    files = {path.name for path in PILOT_DRAFTER_DIR.iterdir()}
+    assert PACKED_WEIGHTS in files and "README.md" in files
+    drafter = load_drafter(PILOT_DRAFTER_DIR)
+    assert drafter.config.target_name_or_path == PILOT and drafter.config.vocab_size == 49152
     assert drafter.config.draft_vocab_size < drafter.config.vocab_size
+    assert main(["demo", "--target", PILOT]) == 2  # it does not ship: the error names it
+    err = capsys.readouterr().err
+    assert f"No drafter ships for '{PILOT}'" in err and f"--drafter {REPOSITORY_DRAFTERS[PILOT]}" in err
 
 
 @pytest.mark.network
 def test_packaged_drafter_drafts_for_the_real_target(smollm2_cache, monkeypatch, tmp_path):
-    """`osprey demo` as the README runs it: the real SmolLM2 target, float32, so every output must equal the
-    target's own, and the packaged drafter's drafts are accepted."""
+    """`osprey demo --drafter` with the SmolLM2 pilot: the real SmolLM2 target, float32, so every output must equal
+    the target's own, and the pilot's drafts are accepted."""
     monkeypatch.setenv("OSPREY_HOME", str(smollm2_cache))
     output = tmp_path / "demo.json"
-    assert main(["demo", "--target", "smollm2-135m-instruct", "--max-new-tokens", "24", "--output", str(output)]) == 0
+    command = ["demo", "--target", PILOT, "--drafter", str(PILOT_DRAFTER_DIR), "--max-new-tokens", "24"]
+    assert main([*command, "--output", str(output)]) == 0
     results = json.loads(output.read_text())
+    assert results["settings"]["confidence_threshold"] == DEMO_CONFIDENCE_THRESHOLD  # chains stop early, as before
     outputs = {(row["method"], row["prompt_id"]): row["output_sha256"] for row in results["requests"]}
     assert all(outputs["osprey", p.prompt_id] == outputs["target", p.prompt_id] for p in DEMO_PROMPTS)
     overall = next(r for r in results["records"] if r["method"] == "osprey" and r["category"] == "overall")
     assert overall["tau"] > 1.05, overall  # measured: 1.18 at 96 new tokens
+
+
+@pytest.mark.network
+def test_demo_in_bf16_explains_every_difference_and_fails_on_a_wrong_verification(smollm2_cache, monkeypatch, tmp_path):
+    """In bfloat16 an output may leave the target's own decoding only at a measured near tie (`osprey.near_tie`);
+    the control, a verification that takes the target's second-best token, makes `osprey demo` fail."""
+    import modeling_osprey.decoding_osprey as decoding_osprey
+
+    monkeypatch.setenv("OSPREY_HOME", str(smollm2_cache))
+    command = ["demo", "--target", PILOT, "--drafter", str(PILOT_DRAFTER_DIR), "--max-new-tokens", "24"]
+    command += ["--dtype", "bfloat16"]
+
+    def labels(output):
+        rows = json.loads(output.read_text())["requests"]
+        return [row["divergence"]["label"] for row in rows if row["method"] == "osprey" and row["divergence"]]
+
+    assert main([*command, "--output", str(tmp_path / "honest.json")]) == 0
+    assert set(labels(tmp_path / "honest.json")) <= {"near tie"}  # measured: 3 of 6 differ, margins 0.05-0.21
+    verify = decoding_osprey._verify
+
+    def accepts_the_second_best(logits, sequence, drafts, *args):
+        accepted, _ = verify(logits, sequence, drafts, *args)
+        return accepted, logits[0, accepted].float().topk(2).indices[1].view(1, 1)
+
+    monkeypatch.setattr(decoding_osprey, "_verify", accepts_the_second_best)
+    assert main([*command, "--output", str(tmp_path / "wrong.json")]) == 1
+    assert "UNEXPLAINED" in labels(tmp_path / "wrong.json")
 
 
 def test_demo_loads_the_shipped_drafter_in_its_measured_quantization_unless_told(monkeypatch):

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,10 +22,12 @@ from test_bench import models  # noqa: F401 (fixture: a near-copy target and dra
 from osprey.bench import load_method
 from osprey.cli import main
 from osprey.decode import encode_prompt, speculative_generate, target_generate
-from osprey.demo import DEMO_DRAFTER_DIR
+from osprey.demo import REPOSITORY_DRAFTERS
 from osprey.pack import load_drafter, pack_drafter
 
 PROMPT = "abc abc abc"
+# The SmolLM2 pilot, packed as int8 rows, kept in the repository (not shipped)
+PILOT_DRAFTER_DIR = Path(__file__).resolve().parents[1] / REPOSITORY_DRAFTERS["smollm2-135m-instruct"]
 INSTALLED_MODULE = "modeling_osprey.modeling_osprey"
 
 
@@ -55,7 +58,7 @@ def test_every_loader_builds_the_installed_drafter_class_not_the_copied_files(sa
     assert type(
         load_method("osprey", f"drafter:{drafter_dir}", tokenizer, torch.float32, "cpu").drafter
     ).__module__ == (INSTALLED_MODULE)
-    assert type(load_drafter(DEMO_DRAFTER_DIR)).__module__ == INSTALLED_MODULE  # packed
+    assert type(load_drafter(PILOT_DRAFTER_DIR)).__module__ == INSTALLED_MODULE  # packed
 
 
 def test_decode_compare_and_bench_decode_the_target_alone_alike(saved, capsys):
@@ -159,14 +162,14 @@ def test_unpacked_drafter_drafts_with_transformers_alone(saved, tmp_path):
 
 
 @pytest.mark.network
-def test_shipped_drafter_unpacks_and_drafts_for_its_target_without_the_package(smollm2_cache, monkeypatch, tmp_path):
-    """Issue #19's bar for every shipped drafter: it unpacks, loads without the package, names its target, and through
-    `target.generate(ids, assistant_model=drafter)` gives the target's own greedy output with more than one token per
-    target forward."""
+def test_pilot_drafter_unpacks_and_drafts_for_its_target_without_the_package(smollm2_cache, monkeypatch, tmp_path):
+    """Issue #19's bar for every shipped drafter, on the SmolLM2 pilot (shipped until issue 53): it unpacks, loads
+    without the package, names its target, and through `target.generate(ids, assistant_model=drafter)` gives the
+    target's own greedy output with more than one token per target forward."""
     monkeypatch.setenv("OSPREY_HOME", str(smollm2_cache))
     from osprey.zoo import fetch, load_tokenizer
 
-    assert main(["unpack", "--drafter", str(DEMO_DRAFTER_DIR), "--output", str(tmp_path / "unpacked")]) == 0
+    assert main(["unpack", "--drafter", str(PILOT_DRAFTER_DIR), "--output", str(tmp_path / "unpacked")]) == 0
     target_name = load_drafter(tmp_path / "unpacked").config.target_name_or_path
     input_ids = encode_prompt(load_tokenizer(target_name), "Write a Python function that reverses a string.")
     remote = decode_without_package(tmp_path / "unpacked", fetch(target_name), input_ids, 48, tmp_path)

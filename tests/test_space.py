@@ -2,8 +2,9 @@
 gradio_client the way a visitor's browser drives it."""
 
 import json
+import os
+import re
 import shutil
-import socket
 import sys
 from pathlib import Path
 
@@ -11,18 +12,20 @@ import gradio as gr
 import pytest
 import torch
 from gradio_client import Client
+from PIL import Image
 from test_decoding import near_copy_pair, random_drafter
 from test_vocab_alignment import byte_level_tokenizer
 
 from osprey.decode import speculative_generate
-from osprey.demo import DEMO_DRAFTER_DIR
+from osprey.demo import DEMO_TARGET, DEMOS
 from osprey.pack import load_drafter, pack_drafter
 
 # space/ is the Space's root folder, not a package: its modules import each other by plain name.
 SPACE_DIR = Path(__file__).resolve().parents[1] / "space"
 sys.path.insert(0, str(SPACE_DIR))
-from allowlist import ModelCatalog, TargetChoice  # noqa: E402 (found through the path above)
-from app import benchmark_outputs, build_demo  # noqa: E402
+from allowlist import PAGE_SETTINGS, ModelCatalog, TargetChoice  # noqa: E402 (found through the path above)
+from app import EXAMPLES, benchmark_outputs, build_demo  # noqa: E402
+from browser import BrowserMissing, find_browser, press_generate, served  # noqa: E402
 from live_decoding import ACCEPTED, OUTPUT_NAMES, TARGET, Limits, OspreySpace, SegmentedText  # noqa: E402
 
 PROMPT = "Translate into German: good morning"
@@ -49,8 +52,8 @@ def space(tiny_models, tmp_path_factory):
     return OspreySpace(catalog, LIMITS, results_dir=tmp_path_factory.mktemp("results"))
 
 
-def plain_greedy_text(target, tokenizer, max_new_tokens) -> str:
-    input_ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+def plain_greedy_text(target, tokenizer, max_new_tokens, prompt=PROMPT) -> str:
+    input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     output = target.generate(input_ids, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
     return tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
 
@@ -75,7 +78,8 @@ def test_generate_streams_highlighted_osprey_output_equal_to_the_target_alone(sp
     assert (final["new_tokens"], final["verify_steps"]) == (str(MAX_NEW_TOKENS), str(stats.verify_steps))
     assert final["tau"] == f"{stats.tau:.2f}" == f"{(MAX_NEW_TOKENS - 1) / stats.verify_steps:.2f}"
     osprey_rate, target_rate = float(final["osprey_tokens_per_s"]), float(final["target_tokens_per_s"])
-    assert float(final["speedup"]) == pytest.approx(osprey_rate / target_rate, rel=0.02)
+    assert re.fullmatch(r"\d+\.\d\dx", final["speedup"])  # "1.85x"
+    assert float(final["speedup"][:-1]) == pytest.approx(osprey_rate / target_rate, rel=0.02)
     assert all(row["speedup"] == "" for row in rows[:-1])  # blank until both runs are timed
 
 
@@ -183,10 +187,93 @@ def test_catalog_serves_a_packed_drafter_for_the_target_it_names(tiny_models, tm
     assert "".join(text for text, _ in final["osprey"]) == final["target_only"]
 
 
-def test_shipped_allow_list_serves_the_packaged_demo_drafter():
-    spec = json.loads((SPACE_DIR / "models.json").read_text())
-    drafters = spec["targets"]["SmolLM2-135M-Instruct"]["drafters"].values()
-    assert any((SPACE_DIR / location).resolve() == DEMO_DRAFTER_DIR.resolve() for location in drafters)
+def control_values(demo) -> dict:
+    return {block.elem_id: block.value for block in demo.blocks.values() if getattr(block, "elem_id", None)}
+
+
+def test_shipped_allow_list_opens_on_the_shipped_drafter_with_the_demos_dtype_and_settings():
+    """Out of the box the page runs the drafter `osprey demo` ships for its default target, in the demo's dtype, with
+    the decoding shape measured best for it (`DEMOS`, read, not copied). Nothing is loaded to check this."""
+    catalog = ModelCatalog.from_json(SPACE_DIR / "models.json", device="cpu")
+    target_name = catalog.target_names()[0]
+    drafter_name = catalog.drafter_names(target_name)[0]
+    demo = DEMOS[DEMO_TARGET]
+    choice = catalog.targets[target_name]
+    assert choice.load.args[:2] == (DEMO_TARGET, getattr(torch, demo.dtype))  # _load_target(model, dtype, device)
+    location, dtype, _, quantization = choice.drafters[drafter_name].args  # load_drafter's
+    assert (location, dtype) == (demo.drafter_dir, getattr(torch, demo.dtype))
+    assert quantization == demo.settings.get("drafter_quantization", "none")
+    measured = {name: value for name, value in demo.settings.items() if name in PAGE_SETTINGS}
+    assert catalog.settings(target_name, drafter_name) == PAGE_SETTINGS | measured
+    assert measured.get("draft_topk", 1) > 1 or measured.get("prompt_lookup_num_tokens", 0) > 0  # a tree shape
+
+    values = control_values(build_demo(OspreySpace(catalog)))
+    assert values["prompt"] == EXAMPLES[0][1]
+    assert {name: values[name] for name in PAGE_SETTINGS} == PAGE_SETTINGS | measured
+
+
+def write_allow_list(directory: Path, spec: dict) -> Path:
+    (directory / "models.json").write_text(json.dumps(spec))
+    return directory / "models.json"
+
+
+def test_catalog_dtype_is_per_target_then_the_shipped_drafters_then_the_files(tmp_path):
+    """A target's dtype: its entry's `dtype`, else the measured one of the drafter `osprey demo` ships for it, else the
+    file's `dtype` (float32 when none)."""
+    (tmp_path / "drafter").mkdir()
+    measured = DEMOS[DEMO_TARGET].dtype
+    other = "float32" if measured == "bfloat16" else "bfloat16"
+    demo = {"drafters": {"shipped": {"demo": DEMO_TARGET}}}
+    plain = {"model": "smollm2-135m-instruct", "drafters": {"built": "./drafter"}}
+    spec = {"dtype": other, "targets": {"demo": demo, "demo-other": demo | {"dtype": other}, "plain": plain}}
+    catalog = ModelCatalog.from_json(write_allow_list(tmp_path, spec), device="cpu")
+    dtypes = {name: str(choice.load.args[1]) for name, choice in catalog.targets.items()}  # _load_target's dtype
+    assert dtypes == {"demo": f"torch.{measured}", "demo-other": f"torch.{other}", "plain": f"torch.{other}"}
+    del spec["dtype"]
+    assert ModelCatalog.from_json(write_allow_list(tmp_path, spec)).targets["plain"].load.args[1] == torch.float32
+    assert catalog.settings("plain", "built") == PAGE_SETTINGS  # no measured settings: the page's
+
+    # int8 drafters run on a CPU only: on a GPU the shipped drafter loads unquantized (nothing loads here)
+    quantization = DEMOS[DEMO_TARGET].settings.get("drafter_quantization", "none")
+    assert catalog.targets["demo"].drafters["shipped"].args[3] == quantization
+    on_gpu = ModelCatalog.from_json(tmp_path / "models.json", device="cuda")
+    assert on_gpu.targets["demo"].drafters["shipped"].args[3] == "none"
+
+
+@pytest.mark.parametrize(
+    "drafter, dtype, message",
+    [
+        ({"demo": "no-such-target"}, None, r"is \{\"demo\": \"no-such-target\"\}: .* one of: " + DEMO_TARGET),
+        ({"demo": DEMO_TARGET, "path": "x"}, None, r"\{\"demo\": TARGET\} for the drafter `osprey demo` ships"),
+        ({"demo": DEMO_TARGET}, "float16", "has dtype 'float16': use one of float32, bfloat16"),
+    ],
+)
+def test_catalog_refuses_a_bad_drafter_entry_or_dtype_naming_the_fix(tmp_path, drafter, dtype, message):
+    entry = {"drafters": {"d": drafter}} | ({"dtype": dtype} if dtype else {})
+    with pytest.raises(ValueError, match=message):
+        ModelCatalog.from_json(write_allow_list(tmp_path, {"targets": {"t": entry}}))
+
+
+def test_picking_a_drafter_sets_its_measured_settings(tiny_models):
+    target, tokenizer, drafter = tiny_models
+    measured = {"draft_topk": 3, "tree_size": 4, "prompt_lookup_num_tokens": 8, "drafter_quantization": "int8"}
+    catalog = ModelCatalog(
+        {
+            "tiny": TargetChoice(
+                lambda: (target, tokenizer),
+                {"tuned": lambda: drafter, "plain": lambda: drafter},
+                settings={"tuned": measured},
+            )
+        }
+    )
+    space = OspreySpace(catalog, LIMITS)
+    expected = PAGE_SETTINGS | {"draft_topk": 3, "tree_size": 4, "prompt_lookup_num_tokens": 8}
+    assert space.drafter_settings("tiny", "tuned") == tuple(expected.values())
+    assert space.drafter_settings("tiny", "plain") == tuple(PAGE_SETTINGS.values())
+    values = control_values(build_demo(space))  # the first drafter's, when the page opens
+    assert {name: values[name] for name in PAGE_SETTINGS} == expected
+    with pytest.raises(gr.Error, match="Unknown drafter 'other'"):
+        space.drafter_settings("tiny", "other")
 
 
 def test_benchmark_view_plots_saved_results_and_says_what_to_run_without_them(space):
@@ -208,26 +295,18 @@ def test_benchmark_view_plots_saved_results_and_says_what_to_run_without_them(sp
     assert note.startswith("Skipped `broken.json: expected records with keys")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_served_app_through_gradio_client(space, tiny_models):
     target, tokenizer, _ = tiny_models
-    demo = build_demo(space)
-    demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True)
-    try:
-        client = Client(demo.local_url, verbose=False)
+    with served(build_demo(space)) as url:
+        client = Client(url, verbose=False)
         osprey, target_only, tau, _, _, speedup, new_tokens, steps, tree = client.predict(
-            PROMPT, "tiny-llama", "near-copy", 4, 0, MAX_NEW_TOKENS, 0.0, 1, 4, api_name="/generate"
+            PROMPT, "tiny-llama", "near-copy", 4, 0, MAX_NEW_TOKENS, 0.0, 1, 4, "standalone", 0, api_name="/generate"
         )
         assert "".join(part["token"] for part in osprey) == target_only
         assert target_only == plain_greedy_text(target, tokenizer, MAX_NEW_TOKENS)
         assert {part["class_or_confidence"] for part in osprey} == {ACCEPTED, TARGET}
         assert new_tokens == str(MAX_NEW_TOKENS) and tau == f"{(MAX_NEW_TOKENS - 1) / int(steps):.2f}"
-        assert float(speedup) > 0 and tree == ""
+        assert float(speedup.removesuffix("x")) > 0 and tree == ""
         *_, tree = client.predict(PROMPT, "tiny-llama", "near-copy", 4, 0, 12, 0.0, 3, 9, api_name="/generate")
         assert tree.startswith("<p>Last step:")
 
@@ -238,17 +317,6 @@ def test_served_app_through_gradio_client(space, tiny_models):
             with pytest.raises(Exception, match=message) as refusal:
                 client.predict(*arguments, 4, 0, 8, 0.0, 1, 4, api_name="/generate")
             assert "Traceback" not in str(refusal.value)
-    finally:
-        demo.close()
-
-
-def test_prefilled_page_opens_on_a_finished_run(space):
-    """What `--prefill-example` serves (used for the docs screenshot): the outputs already filled in."""
-    demo = build_demo(space, prefill={"prompt": PROMPT, "max_new_tokens": 8})
-    values = {block.label: block.value for block in demo.blocks.values() if getattr(block, "label", None)}
-    osprey_text = "".join(part["token"] for part in values["Osprey: target + drafter"])
-    assert values["Prompt"] == PROMPT and values["New tokens"] == "8"
-    assert osprey_text == values["Target only"] != ""
 
 
 def test_tree_drafting_shows_the_verified_tree_with_the_accepted_path(space, tiny_models):
@@ -272,9 +340,35 @@ def test_tree_settings_are_bounded(space):
         next(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 8, 0.0, 99, 9))
     with pytest.raises(gr.Error, match="Set one"):
         next(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 8, 0.3, 3, 9))
+    with pytest.raises(gr.Error, match="Prompt-lookup branch must be between 0 and 16"):
+        next(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 8, 0.0, 1, 9, "standalone", 17))
+    with pytest.raises(gr.Error, match="a prompt-lookup branch makes the draft a tree.*Set one of the two to 0"):
+        next(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 8, 0.3, 1, 9, "standalone", 4))
 
 
-def test_custom_route_decodes_through_the_drafter_folders_custom_generate(tiny_models, tmp_path):
+def test_prompt_lookup_branch_reaches_the_decoding_loop(space, tiny_models):
+    """The lookup slider decodes as `speculative_generate(prompt_lookup_num_tokens=...)` does: same steps, same text."""
+    target, tokenizer, drafter = tiny_models
+    input_ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    for lookup in (0, 4):
+        *_, last = space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 40, 0.0, 1, 8, "standalone", lookup)
+        final = dict(zip(OUTPUT_NAMES, last))
+        _, stats = speculative_generate(
+            target,
+            drafter,
+            input_ids,
+            max_new_tokens=40,
+            num_draft_tokens=4,
+            tree_size=8,
+            prompt_lookup_num_tokens=lookup,
+        )
+        assert final["verify_steps"] == str(stats.verify_steps)
+        assert "".join(text for text, _ in final["osprey"]) == plain_greedy_text(target, tokenizer, 40)
+        assert final["tree"].startswith("<p>Last step:") == (lookup > 0)  # the branch makes every draft a tree
+
+
+@pytest.mark.parametrize("lookup", [0, 4])
+def test_custom_route_decodes_through_the_drafter_folders_custom_generate(tiny_models, tmp_path, lookup):
     """The `custom` route runs `target.generate(custom_generate=DRAFTER_DIR)`: the same text and steps as the
     standalone loop, the tree view included; a drafter folder without custom_generate/ is refused clearly."""
     target, tokenizer, drafter = tiny_models
@@ -291,7 +385,7 @@ def test_custom_route_decodes_through_the_drafter_folders_custom_generate(tiny_m
     runs = {
         route: [
             dict(zip(OUTPUT_NAMES, row))
-            for row in space.generate(PROMPT, "tiny-llama", "saved", 4, 0, 40, 0.0, 3, 9, route)
+            for row in space.generate(PROMPT, "tiny-llama", "saved", 4, 0, 40, 0.0, 3, 9, route, lookup)
         ]
         for route in ("standalone", "custom")
     }
@@ -305,3 +399,33 @@ def test_custom_route_decodes_through_the_drafter_folders_custom_generate(tiny_m
         next(space.generate(PROMPT, "tiny-llama", "old", 4, 0, 8, 0.0, 1, 4, "custom"))
     with pytest.raises(gr.Error, match="Unknown route"):
         next(space.generate(PROMPT, "tiny-llama", "saved", 4, 0, 8, 0.0, 1, 4, "vllm"))
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    """Chromium, chromedriver and Selenium: skipped without them, except in CI (`CI` set), where that fails."""
+    try:
+        find_browser()
+    except BrowserMissing as missing:
+        if os.environ.get("CI"):
+            pytest.fail(str(missing))
+        pytest.skip(str(missing))
+
+
+def test_generate_in_a_real_browser_renders_the_speedup_and_tau(space, tiny_models, chromium, tmp_path):
+    """Headless Chromium opens the served page and presses Generate on what it opens with (the first example, the
+    first target and drafter); the finished run's speedup, τ and outputs are rendered, and a screenshot is saved."""
+    target, tokenizer, _ = tiny_models
+    with served(build_demo(space)) as url:
+        run = press_generate(url, tmp_path / "page.png", size=(1280, 1000), timeout_s=180)
+    assert run.prompt == EXAMPLES[0][1]
+    assert re.fullmatch(r"\d+\.\d\dx", run.stats["speedup"]), run.stats
+    new_tokens, steps = int(run.stats["new_tokens"]), int(run.stats["verify_steps"])
+    assert new_tokens == LIMITS.max_new_tokens  # the page's default length, under this Space's limit
+    assert run.stats["tau"] == f"{(new_tokens - 1) / steps:.2f}" and float(run.stats["tau"]) > 1
+    expected = plain_greedy_text(target, tokenizer, new_tokens, prompt=EXAMPLES[0][1])
+    assert run.target_text.strip() == expected.strip() != ""
+    assert run.osprey_text.strip()
+    screenshot = (tmp_path / "page.png").read_bytes()
+    assert screenshot.startswith(b"\x89PNG\r\n\x1a\n")
+    assert Image.open(tmp_path / "page.png").size == (1280, 1000)

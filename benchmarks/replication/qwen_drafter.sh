@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Qwen-backbone Osprey drafter for Qwen2.5-Coder-1.5B-Instruct (issue 17), stage by stage, resumable across
-# machines. Its product is committed: osprey/demo_drafter_qwen, packed against qwen2.5-coder-0.5b-instruct (the
+# machines. Its product is committed: benchmarks/checkpoints/qwen-drafter-round3 (shipped as osprey/demo_drafter_qwen
+# until issue 53 shipped the full-budget drafter instead), packed against qwen2.5-coder-0.5b-instruct (the
 # frozen embedding rebuilt from the zoo and checked by SHA-256, blocks and head as int4 changes from the tensors they
 # started as; 36 MiB). So on a fresh machine this script only restores (`osprey unpack`) unless FROM_SCRATCH=1, which
 # redoes every stage (~4 h of 2 cores, so run it twice: each stage resumes) in the order it was run:
@@ -41,7 +42,7 @@ RUNS=${RUNS:-/work/runs}
 OSPREY=${OSPREY:-.venv/bin/osprey}
 TARGET=qwen2.5-coder-1.5b-instruct
 BACKBONE_PARENT=qwen2.5-coder-0.5b-instruct
-SHIPPED=osprey/demo_drafter_qwen
+SHIPPED=benchmarks/checkpoints/qwen-drafter-round3
 OUT=$RUNS/qwen-drafter
 REGEN=$RUNS/regen/$TARGET
 source benchmarks/replication/stages.sh  # log, restore_answers, tau_subset

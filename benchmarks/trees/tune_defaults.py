@@ -8,6 +8,7 @@ the branch) decodes the held-out prompts beside the target alone, in one process
 (greedy); the shape with the best overall tokens/s is recorded as `chosen` in the results JSON.
 
     python benchmarks/trees/tune_defaults.py --target smollm2-135m-instruct \
+        --drafter benchmarks/checkpoints/pilot-smollm2-135m-instruct \
         --output benchmarks/results/tree-defaults/smollm2.json
     python benchmarks/trees/tune_defaults.py --target qwen2.5-coder-1.5b-instruct --drafter DIR --dtype bfloat16 \
         --prompts benchmarks/trees/heldout-sharegpt.jsonl --draft-topk 1,3 --tree-size 4,8 --prompt-lookup 0,8 \
@@ -22,8 +23,8 @@ import torch
 
 from osprey.bench import BenchMethod, BenchSettings, run_benchmark
 from osprey.bench_suites import load_suite
-from osprey.demo import DEMO_DRAFTER_DIR, DEMO_PROMPTS
-from osprey.pack import load_drafter
+from osprey.demo import DEMO_PROMPTS, DEMO_TARGET, DEMOS
+from osprey.pack import DRAFTER_QUANTIZATIONS, load_drafter
 from osprey.zoo import load_causal_lm, load_tokenizer
 
 
@@ -34,9 +35,11 @@ def method_name(k: int, n: int, lookup: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--target", default=DEMO_TARGET, help="default: osprey demo's")
     parser.add_argument(
-        "--drafter", default=str(DEMO_DRAFTER_DIR), help="drafter directory, packed or not (default: osprey demo's)"
+        "--drafter",
+        default=str(DEMOS[DEMO_TARGET].drafter_dir),
+        help="drafter directory, packed or not (default: the one osprey demo ships for its default target)",
     )
     parser.add_argument("--prompts", help="held-out prompts, a JSONL file (default: osprey.demo.DEMO_PROMPTS)")
     parser.add_argument("--draft-topk", default="2,3", help="comma-separated grid (1: chains)")
@@ -45,14 +48,21 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=5, help="tree depth and chain length")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--drafter-quantization", choices=DRAFTER_QUANTIZATIONS, default="none", help="as `osprey demo`'s flag"
+    )
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
 
     dtype = getattr(torch, args.dtype)
     target, tokenizer = load_causal_lm(args.target, dtype=dtype).eval(), load_tokenizer(args.target)
-    drafter = load_drafter(args.drafter, dtype)
+    drafter = load_drafter(args.drafter, dtype, quantization=args.drafter_quantization)
     prompts = load_suite(args.prompts) if args.prompts else DEMO_PROMPTS
-    settings = BenchSettings(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens)
+    settings = BenchSettings(
+        max_new_tokens=args.max_new_tokens,
+        num_draft_tokens=args.num_draft_tokens,
+        drafter_quantization=args.drafter_quantization,
+    )
     topks, sizes = [int(k) for k in args.draft_topk.split(",")], [int(n) for n in args.tree_size.split(",")]
     lookups = [int(length) for length in args.prompt_lookup.split(",")]
     shapes = [(k, n if k > 1 else None, lookup) for k in topks for n in (sizes if k > 1 else [0]) for lookup in lookups]
@@ -99,6 +109,7 @@ def main() -> None:
         "target": args.target,
         "drafter": args.drafter,
         "dtype": args.dtype,
+        "drafter_quantization": args.drafter_quantization,
         "num_draft_tokens": args.num_draft_tokens,
         "max_new_tokens": args.max_new_tokens,
         "threads": torch.get_num_threads(),

@@ -1,0 +1,106 @@
+"""Labels the differing outputs of saved `osprey bench` results: each request whose greedy output differs from the
+target alone's gets its `divergence` (`osprey.near_tie`: first differing token, float32 margin, rounding bound, "near
+tie" or "UNEXPLAINED"), as a run labels its own since the bench saves token ids; the JSON and its `.md` are rewritten.
+
+Results saved before token ids were kept have their ids rebuilt from each completion, checked against its saved
+`output_sha256` (`osprey.bench.output_token_ids`); where the target alone's cannot be rebuilt (a completion that
+ends inside a multi-byte character), the target decodes that prompt again and its output must hash the same.
+
+    python benchmarks/numerics/label_differences.py benchmarks/results/replication-qwen2.5-coder-1.5b-instruct.json
+
+Prompts come from the suites the results name (`spec_bench`, `mt_bench`, `humaneval`, `mmath`, the demo's `demo`) or
+from `--prompts FILE` (a JSONL file or folder, named as the bench named it). Results saved without their dtype need
+`--dtype`. Exit status 1 if any difference is UNEXPLAINED or could not be checked.
+"""
+
+import argparse
+import hashlib
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from osprey.bench import label_divergences, output_token_ids, summarize
+from osprey.bench_report import save_report
+from osprey.bench_suites import SUITES, load_suite
+from osprey.decode import encode_prompt, target_generate
+from osprey.demo import DEMO_PROMPTS
+from osprey.zoo import load_causal_lm, load_tokenizer
+
+
+def _key(row: dict) -> tuple[str, str, str]:
+    return row["suite"], row["category"], row["prompt_id"]
+
+
+def prompts_for(results: dict, extra: list[str], data_dir: str | None) -> list:
+    prompts = list(DEMO_PROMPTS) if "demo" in results["prompts"] else []
+    prompts += [prompt for suite in results["prompts"] if suite in SUITES for prompt in load_suite(suite, data_dir)]
+    return prompts + [prompt for source in extra for prompt in load_suite(source, data_dir)]
+
+
+def redecode_references(target, tokenizer, results: dict, prompts: list, eos_ids: list[int]) -> int:
+    """Saves `output_ids` on target-alone requests whose ids the completion does not give back, by decoding again;
+    returns how many could not be reproduced."""
+    baseline = next(name for name, spec in results["methods"].items() if spec == "target")
+    texts = {(prompt.suite, prompt.category, prompt.prompt_id): prompt.text for prompt in prompts}
+    failed = 0
+    for row in results["requests"]:
+        key = _key(row)
+        if row["method"] != baseline or key not in texts or output_token_ids(row, tokenizer, eos_ids) is not None:
+            continue
+        prompt_ids = encode_prompt(tokenizer, texts[key], results["settings"]["chat_template"])
+        eos = target.generation_config.eos_token_id
+        output = target_generate(target, prompt_ids, results["settings"]["max_new_tokens"], eos_token_id=eos)
+        ids = output[0, prompt_ids.shape[1] :].tolist()
+        if hashlib.sha256(json.dumps(ids).encode()).hexdigest() == row["output_sha256"]:
+            row["output_ids"] = ids
+        else:
+            failed += 1
+    return failed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", type=Path, help="`osprey bench` results JSON files")
+    parser.add_argument("--prompts", action="append", default=[], metavar="SUITE|PATH")
+    parser.add_argument("--data-dir")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="for results saved without it")
+    args = parser.parse_args()
+    status = 0
+    loaded = {}
+    for path in args.results:
+        results = json.loads(path.read_text())
+        dtype = results.get("target_dtype") or args.dtype
+        if dtype is None:
+            raise SystemExit(f"{path} does not record the target's dtype: pass --dtype.")
+        results["target_dtype"] = dtype
+        if (results["target"], dtype) not in loaded:
+            loaded.clear()  # one target in memory at a time
+            target = load_causal_lm(results["target"], dtype=getattr(torch, dtype)).eval()
+            loaded[results["target"], dtype] = target, load_tokenizer(results["target"])
+        target, tokenizer = loaded[results["target"], dtype]
+        eos = target.generation_config.eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        prompts = prompts_for(results, args.prompts, args.data_dir)
+        unreproduced = redecode_references(target, tokenizer, results, prompts, eos_ids)
+        label_divergences(target, tokenizer, results, prompts)
+        results["records"] = summarize(results)
+        path.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+        if path.with_suffix(".md").exists():
+            save_report(results, path)
+        baseline = next(name for name, spec in results["methods"].items() if spec == "target")
+        reference = {_key(row): row["output_sha256"] for row in results["requests"] if row["method"] == baseline}
+        counts = Counter(
+            (row.get("divergence") or {}).get("label", "not checked")
+            for row in results["requests"]
+            if row["method"] != baseline and row["output_sha256"] != reference.get(_key(row), row["output_sha256"])
+        )
+        print(f"{path}: {dict(counts)}; target outputs not reproduced: {unreproduced}")
+        status |= bool(counts["UNEXPLAINED"] or counts["not checked"] or unreproduced)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
