@@ -181,7 +181,9 @@ def _share(record: dict) -> str:
     if matches is None:
         return "–"
     counts = record.get("differences") or {}
-    labels = ", ".join(f"{count} {label}" for label, count in counts.items() if count)
+    labels = ", ".join(
+        f"{count} {label}{'s' if label == NEAR_TIE and count > 1 else ''}" for label, count in counts.items() if count
+    )
     return f"{matches:.0%}" + (f" ({labels})" if labels else "")
 
 

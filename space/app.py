@@ -17,8 +17,9 @@ from allowlist import PAGE_SETTINGS, ModelCatalog
 from live_decoding import ACCEPTED, APP_DIR, ROUTES, TARGET, OspreySpace
 
 EXAMPLES = [  # (label, prompt): the categories and languages where drafters differ most
-    # The page opens on the first: `osprey demo`'s chat prompt, 1.98x the target alone there on 2 CPU cores with the
-    # drafter shipped before issue 53 (benchmarks/results/demo-qwen2.5-coder-1.5b-instruct-int8.json).
+    # The page opens on the first: `osprey demo`'s chat prompt, 2.00x the target alone there with the shipped drafter
+    # and settings on 2 CPU cores (benchmarks/results/demo-shipped-full-budget/fresh-demo-int8.md; 1.81-2.17x in four
+    # runs of the page, space/README.md).
     ("chat · en", "Give me three tips for staying focused while working from home."),
     ("code · en", "Write a Python function that returns True when a string is a palindrome, ignoring case."),
     ("code · en", "Write an SQL query listing each customer's three most recent orders."),
@@ -36,9 +37,10 @@ EXAMPLES = [  # (label, prompt): the categories and languages where drafters dif
 INTRO = """# Osprey: speculative decoding, live
 A small **drafter** proposes tokens (a chain, or a tree of alternatives, optionally with one more branch copied from
 what followed the same words earlier in the text), the **target** checks them all in one forward pass and keeps the
-longest path it agrees with, plus one token of its own. The output is exactly the target's (greedy: token for
-token; sampling: the same distribution), only faster when the drafter is good. **τ** is the mean number of tokens per
-verification step; speedup compares with the target decoding alone, measured right after on the same machine."""
+longest path it agrees with, plus one token of its own. The output is the target's (greedy: token for token, except
+where half precision rounds a near tie differently, which the page measures and says; sampling: the same
+distribution), only faster when the drafter is good. **τ** is the mean number of tokens per verification step;
+speedup compares with the target decoding alone, measured right after on the same machine."""
 
 STAT_LABELS = {
     "tau": "τ (tokens per verify step)",

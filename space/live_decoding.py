@@ -20,6 +20,7 @@ from allowlist import PAGE_SETTINGS, ModelCatalog
 from transformers.generation.streamers import BaseStreamer
 
 from osprey.decode import SpeculativeStats, encode_prompt, speculative_generate, target_generate
+from osprey.near_tie import NEAR_TIE, UNEXPLAINED, explain, first_divergence, upcast
 from osprey.pack import custom_generate_folder
 
 APP_DIR = Path(__file__).resolve().parent
@@ -208,9 +209,9 @@ class OspreySpace:
             except Exception as error:
                 raise _generation_error(error) from error
             self._warm_pairs.add((target_name, drafter_name, route))
-        osprey, stats, tree = yield from _stream_osprey(request)
-        target_only, target_rate = None, None
-        for target_only, target_rate in _stream_target_only(request, stats.new_tokens):
+        osprey, stats, tree, osprey_ids = yield from _stream_osprey(request)
+        target_only, target_rate, target_ids = None, None, []
+        for target_only, target_rate, target_ids in _stream_target_only(request, stats.new_tokens):  # noqa: B007
             yield _row(
                 osprey,
                 target_only,
@@ -223,6 +224,7 @@ class OspreySpace:
                 tree=tree,
             )
         speedup = f"{stats.tokens_per_s / target_rate:.2f}x"
+        tree = difference_note(request, osprey_ids, target_ids) + tree
         yield _row(
             osprey,
             target_only,
@@ -429,7 +431,30 @@ def _stream_osprey(request: _Request):
         tau = decided / steps if steps else None
         yield _row(list(text.segments), "", tau, rate, None, None, new_tokens, steps, tree=tree)
     text.add([], TARGET, final=True)
-    return text.segments, job.result[1], tree
+    return text.segments, job.result[1], tree, text.token_ids
+
+
+def difference_note(request: _Request, osprey_ids: list[int], target_ids: list[int]) -> str:
+    """For a greedy run whose output differs from the target alone's: where, and whether rounding explains it
+    (`osprey.near_tie`: the target's float32 margin at the first differing token against the bound for its dtype).
+    Empty when the outputs are equal or when sampling (where they differ by design)."""
+    if request.temperature > 0 or first_divergence(target_ids, osprey_ids) is None:
+        return ""
+    dtype = next(request.target.parameters()).dtype
+    with request.lock, upcast(request.target):
+        divergence = explain(request.target, request.input_ids, target_ids, osprey_ids, dtype)
+    reading = (
+        "a near tie, which rounding in this dtype can flip (a verification forward over several tokens rounds "
+        "differently from a one-token step), not a drafting error"
+        if divergence.label == NEAR_TIE
+        else f"{UNEXPLAINED}: more than rounding can move, a decoding bug (please report it)"
+    )
+    return (
+        f"<p><b>The outputs differ from new token {divergence.position}</b> (the target's float32 margin there "
+        f"{divergence.margin:.3f}, rounding bound {divergence.bound:.3f}): {reading}.</p>"
+        if divergence.margin is not None
+        else f"<p><b>The outputs differ</b>: {html.escape(divergence.describe())}.</p>"
+    )
 
 
 def tree_html(tokenizer, step) -> str:
@@ -477,9 +502,9 @@ def _stream_target_only(request: _Request, num_tokens: int):
     text, start = SegmentedText(tokenizer), time.perf_counter()
     for tokens in _reporting_errors(job):
         text.add(tokens, TARGET)
-        yield text.text, len(text.token_ids) / (time.perf_counter() - start)
+        yield text.text, len(text.token_ids) / (time.perf_counter() - start), text.token_ids
     text.add([], TARGET, final=True)
-    yield text.text, len(text.token_ids) / job.result[1]
+    yield text.text, len(text.token_ids) / job.result[1], text.token_ids
 
 
 def _reporting_errors(job: BackgroundJob):

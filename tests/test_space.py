@@ -83,6 +83,25 @@ def test_generate_streams_highlighted_osprey_output_equal_to_the_target_alone(sp
     assert all(row["speedup"] == "" for row in rows[:-1])  # blank until both runs are timed
 
 
+def test_a_differing_output_is_labelled_by_its_float32_margin(space, tiny_models, monkeypatch):
+    """Equal outputs get no note; a verification that takes the target's second-best token (the control) makes the
+    outputs differ, and the page says where and whether rounding explains it (`osprey.near_tie`)."""
+    import modeling_osprey.decoding_osprey as decoding_osprey
+
+    final = dict(zip(OUTPUT_NAMES, list(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 40))[-1]))
+    assert "outputs differ" not in final["tree"]
+    verify = decoding_osprey._verify
+
+    def accepts_the_second_best(logits, sequence, drafts, *args):
+        accepted, _ = verify(logits, sequence, drafts, *args)
+        return accepted, logits[0, accepted].float().topk(2).indices[1].view(1, 1)
+
+    monkeypatch.setattr(decoding_osprey, "_verify", accepts_the_second_best)
+    final = dict(zip(OUTPUT_NAMES, list(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 40))[-1]))
+    assert "The outputs differ from new token" in final["tree"]
+    assert re.search(r"margin there \d+\.\d+, rounding bound \d+\.\d+\): (a near tie|UNEXPLAINED)", final["tree"])
+
+
 def test_early_stop_shortens_the_chains_and_keeps_the_output(space, tiny_models):
     target, tokenizer, _ = tiny_models
     finals = {}

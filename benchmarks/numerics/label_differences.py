@@ -1,6 +1,7 @@
 """Labels the differing outputs of saved `osprey bench` results: each request whose greedy output differs from the
 target alone's gets its `divergence` (`osprey.near_tie`: first differing token, float32 margin, rounding bound, "near
-tie" or "UNEXPLAINED"), as a run labels its own since the bench saves token ids; the JSON and its `.md` are rewritten.
+tie" or "UNEXPLAINED"), as a run labels its own since the bench saves token ids; the JSON and its `.md` table are
+rewritten.
 
 Results saved before token ids were kept have their ids rebuilt from each completion, checked against its saved
 `output_sha256` (`osprey.bench.output_token_ids`); where the target alone's cannot be rebuilt (a completion that
@@ -23,8 +24,8 @@ from pathlib import Path
 import torch
 
 from osprey.bench import label_divergences, output_token_ids, summarize
-from osprey.bench_report import save_report
-from osprey.bench_suites import SUITES, load_suite
+from osprey.bench_report import markdown_table
+from osprey.bench_suites import SUITES, held_out_prompts, load_suite
 from osprey.decode import encode_prompt, target_generate
 from osprey.demo import DEMO_PROMPTS
 from osprey.zoo import load_causal_lm, load_tokenizer
@@ -35,8 +36,15 @@ def _key(row: dict) -> tuple[str, str, str]:
 
 
 def prompts_for(results: dict, extra: list[str], data_dir: str | None) -> list:
+    """Every prompt the results may name: the demo's, the named suites', `--prompts`, and for `held_out` (tuning
+    runs, `osprey.bench_suites.held_out_prompts`) those held out of the suites' 1- to 3-per-category benches (a
+    request is matched by suite, category and prompt id, so prompts it does not name are never used)."""
     prompts = list(DEMO_PROMPTS) if "demo" in results["prompts"] else []
     prompts += [prompt for suite in results["prompts"] if suite in SUITES for prompt in load_suite(suite, data_dir)]
+    if "held_out" in results["prompts"]:
+        prompts += [
+            p for n in (1, 2, 3) for p in held_out_prompts(list(SUITES), n, results["settings"]["seed"], data_dir)
+        ]
     return prompts + [prompt for source in extra for prompt in load_suite(source, data_dir)]
 
 
@@ -88,8 +96,8 @@ def main() -> int:
         label_divergences(target, tokenizer, results, prompts)
         results["records"] = summarize(results)
         path.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
-        if path.with_suffix(".md").exists():
-            save_report(results, path)
+        if path.with_suffix(".md").exists():  # the table, rewritten from the JSON (the plots are left as they are)
+            path.with_suffix(".md").write_text(markdown_table(results))
         baseline = next(name for name, spec in results["methods"].items() if spec == "target")
         reference = {_key(row): row["output_sha256"] for row in results["requests"] if row["method"] == baseline}
         counts = Counter(
