@@ -11,6 +11,10 @@ token); the prefill is not a step. For `generate` methods the steps are read off
 each call its KV cache holds every decided token but the last, so consecutive calls show what each one decided.
 Forward hooks also time the target's prefill and verification calls and the drafter's calls; the rest is overhead.
 
+Greedy outputs that differ from the target alone's are labelled after the run (`label_divergences`): "near tie" when
+the target's float32 margin at the first differing token is within what rounding in the run's dtype can move it,
+"UNEXPLAINED" otherwise, which makes `osprey bench` exit with status 1.
+
 Results are saved after every request; re-running with the same `--output` skips the requests already there.
 """
 
@@ -19,6 +23,7 @@ import json
 import os
 import sys
 import time
+import warnings
 import zlib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -252,7 +257,7 @@ def run_request(target, tokenizer, method: BenchMethod, prompt: BenchPrompt, set
             "draft": draft_s,
             "other": wall_time_s - prefill_s - verify_s - draft_s,
         },
-        "output_sha256": hashlib.sha256(json.dumps(new_ids).encode()).hexdigest(),
+        "output_sha256": output_sha256(new_ids),
         "output_ids": new_ids,
         "completion": tokenizer.decode(new_ids, skip_special_tokens=True),
     }
@@ -393,27 +398,37 @@ def label_divergences(target, tokenizer, results: dict, prompts: list[BenchPromp
             continue
         reference = output_token_ids(references[key], tokenizer, eos_ids)
         output = output_token_ids(row, tokenizer, eos_ids, guide=reference)
+        if reference is None and output is not None:  # the shared part is tokenized as the output has it
+            reference = output_token_ids(references[key], tokenizer, eos_ids, guide=output)
         if None not in (output, reference):
             differing.append((row, key, output, reference))
     if not differing:
         return
     dtype = next(target.parameters()).dtype
     explained = {}  # methods often leave the target's output at the same token: one forward for all of them
-    with upcast(target):
-        for row, key, output, reference in differing:
-            position = first_divergence(reference, output)
-            same = (key, position, tuple(reference[: position + 1]), tuple(output[: position + 1]))
-            if same not in explained:
-                prompt_ids = encode_prompt(tokenizer, texts[key], results["settings"]["chat_template"])
-                explained[same] = explain(target, prompt_ids, reference, output, dtype).to_dict()
-            row["divergence"] = explained[same]
+    try:
+        with upcast(target):
+            for row, key, output, reference in differing:
+                position = first_divergence(reference, output)
+                same = (key, position, tuple(reference[: position + 1]), tuple(output[: position + 1]))
+                if same not in explained:
+                    prompt_ids = encode_prompt(tokenizer, texts[key], results["settings"]["chat_template"])
+                    explained[same] = explain(target, prompt_ids, reference, output, dtype).to_dict()
+                row["divergence"] = explained[same]
+    except torch.OutOfMemoryError:  # a large target in float32 may not fit an accelerator; the run's results stand
+        warnings.warn(
+            "Not enough device memory to run the target in float32, so differing outputs are left unlabelled ('not "
+            "checked'): label them on a larger device with benchmarks/numerics/label_differences.py.",
+            stacklevel=2,
+        )
 
 
 def output_token_ids(row: dict, tokenizer, eos_ids: list[int], guide: list[int] | None = None) -> list[int] | None:
     """A request's new token ids: saved (`output_ids`), or, for results saved before they were, its completion
     tokenized again when that matches its saved `output_sha256`. Tried: the whole completion, and the tokens of
     `guide` (another output of the same prompt) as far as their text begins the completion followed by the rest
-    tokenized, each also with an eos appended (decoding may have ended on one). None if nothing matches."""
+    tokenized, each also with an eos appended (decoding may have ended on one), and for a completion cut inside a
+    character, each token of the vocabulary as its last. None if nothing matches."""
     if "output_ids" in row:
         return row["output_ids"]
     text = row["completion"]
@@ -425,9 +440,21 @@ def output_token_ids(row: dict, tokenizer, eos_ids: list[int], guide: list[int] 
         rest = text[len(tokenizer.decode(head, skip_special_tokens=True)) :]
         ids = head + tokenizer(rest, add_special_tokens=False)["input_ids"]
         for candidate in [ids] + [ids + [eos] for eos in eos_ids]:
-            if hashlib.sha256(json.dumps(candidate).encode()).hexdigest() == row["output_sha256"]:
+            if output_sha256(candidate) == row["output_sha256"]:
                 return candidate
+    if text.endswith("\ufffd"):  # cut inside a character: its last token's bytes do not decode, so try every token
+        for head in heads:
+            rest = text[len(tokenizer.decode(head, skip_special_tokens=True)) :].rstrip("\ufffd")
+            ids = head + tokenizer(rest, add_special_tokens=False)["input_ids"]
+            for last in range(len(tokenizer)):
+                if output_sha256(ids + [last]) == row["output_sha256"]:
+                    return ids + [last]
     return None
+
+
+def output_sha256(ids: list[int]) -> str:
+    """What a request saves to identify its output: the SHA-256 of its new token ids as JSON."""
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
 
 
 def parse_method_specs(drafters: list[str], baselines: str) -> list[tuple[str, str]]:

@@ -94,14 +94,31 @@ def rounding_bound(logits, head_input, head_weight, best: int, other: int, dtype
 
 @contextmanager
 def upcast(model, dtype: torch.dtype = torch.float32):
-    """`model` with its parameters in `dtype` inside the block, its own dtype again after (bf16 -> float32 -> bf16
-    is exact, so the model comes back bit-identical)."""
-    own = next(model.parameters()).dtype
-    model.to(dtype)
+    """`model` with its floating-point parameters and buffers in `dtype` inside the block, and each back in its own
+    dtype after, bit-identical (bf16 -> float32 -> bf16 is exact). Not `model.to`: a bf16 model keeps some buffers in
+    float32 (rotary frequencies), which `model.to(bfloat16)` would round."""
+    tensors = [
+        (module, kind, name, tensor.dtype)
+        for module in model.modules()
+        for kind in ("_parameters", "_buffers")
+        for name, tensor in getattr(module, kind).items()
+        if tensor is not None and tensor.is_floating_point()
+    ]
+    for module, kind, name, _ in tensors:
+        _cast(module, kind, name, dtype)
     try:
         yield model
     finally:
-        model.to(own)
+        for module, kind, name, own in tensors:
+            _cast(module, kind, name, own)
+
+
+def _cast(module, kind: str, name: str, dtype: torch.dtype) -> None:
+    tensor = getattr(module, kind)[name]
+    if kind == "_parameters":
+        tensor.data = tensor.data.to(dtype)
+    else:
+        module._buffers[name] = tensor.to(dtype)
 
 
 @torch.no_grad()

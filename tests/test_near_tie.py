@@ -9,7 +9,7 @@ from test_decoding import near_copy_pair
 from test_trainers import char_tokenizer
 
 import modeling_osprey.decoding_osprey as decoding_osprey
-from osprey.bench import BenchMethod, BenchSettings, run_benchmark
+from osprey.bench import BenchMethod, BenchSettings, output_sha256, output_token_ids, run_benchmark
 from osprey.bench_report import DIFFERENCES_NOTE, markdown_table
 from osprey.near_tie import NEAR_TIE, UNEXPLAINED, Divergence, explain, first_divergence, rounding_bound, upcast
 
@@ -21,12 +21,19 @@ def test_first_divergence_finds_the_first_differing_token_or_a_length_difference
 
 
 def test_upcast_gives_the_model_back_bit_identical():
+    """Every parameter and buffer comes back in its own dtype with its own values, the float32 rotary frequencies a
+    bf16 model keeps included (`model.to` would round them), so the target decodes as before."""
     target = make_tiny_target("qwen2").to(torch.bfloat16)
-    before = {name: tensor.clone() for name, tensor in target.state_dict().items()}
+    target.model.rotary_emb.inv_freq = target.model.rotary_emb.inv_freq.float()  # as from_pretrained(dtype=bf16) has it
+    before = {name: tensor.clone() for name, tensor in [*target.named_parameters(), *target.named_buffers()]}
+    ids = torch.tensor([[3, 17, 42, 9]])
+    greedy = target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
     with upcast(target):
-        assert next(target.parameters()).dtype == torch.float32
-    after = target.state_dict()
-    assert all(after[name].dtype == torch.bfloat16 and torch.equal(after[name], before[name]) for name in before)
+        assert all(tensor.dtype == torch.float32 for tensor in [*target.parameters(), *target.buffers()])
+    after = dict([*target.named_parameters(), *target.named_buffers()])
+    assert after.keys() == before.keys() and "model.rotary_emb.inv_freq" in after
+    assert all(after[name].dtype == before[name].dtype and torch.equal(after[name], before[name]) for name in before)
+    assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0), greedy)
 
 
 def test_a_tie_is_explained_and_a_clear_margin_is_not():
@@ -94,3 +101,15 @@ def test_a_bf16_bench_labels_every_difference_and_flags_a_wrong_verification(mon
     assert record["differences"][UNEXPLAINED] == labels.count(UNEXPLAINED) and record["same_output_as_target"] == 0
     table = markdown_table(wrong)
     assert DIFFERENCES_NOTE in table and f"{labels.count(UNEXPLAINED)} {UNEXPLAINED}" in table
+
+
+def test_token_ids_of_older_results_are_rebuilt_only_when_their_hash_agrees():
+    """Results saved before `output_ids` keep a completion and its ids' hash: ids are rebuilt from the text (with an
+    eos the text does not show) and accepted only if they hash the same."""
+    tokenizer = char_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("</s>")
+    ids = tokenizer("abc abc", add_special_tokens=False)["input_ids"]
+    row = {"completion": "abc abc", "output_sha256": output_sha256(ids + [eos])}
+    assert output_token_ids(row, tokenizer, [eos]) == ids + [eos]
+    assert output_token_ids(row | {"output_ids": [1, 2]}, tokenizer, [eos]) == [1, 2]  # saved ids are taken as they are
+    assert output_token_ids(row | {"output_sha256": output_sha256([7, 7, 7])}, tokenizer, [eos]) is None

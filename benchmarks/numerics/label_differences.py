@@ -15,7 +15,6 @@ from `--prompts FILE` (a JSONL file or folder, named as the bench named it). Res
 """
 
 import argparse
-import hashlib
 import json
 import sys
 from collections import Counter
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from osprey.bench import label_divergences, output_token_ids, summarize
+from osprey.bench import label_divergences, output_sha256, output_token_ids, summarize
 from osprey.bench_report import markdown_table
 from osprey.bench_suites import SUITES, held_out_prompts, load_suite
 from osprey.decode import encode_prompt, target_generate
@@ -49,20 +48,24 @@ def prompts_for(results: dict, extra: list[str], data_dir: str | None) -> list:
 
 
 def redecode_references(target, tokenizer, results: dict, prompts: list, eos_ids: list[int]) -> int:
-    """Saves `output_ids` on target-alone requests whose ids the completion does not give back, by decoding again;
-    returns how many could not be reproduced."""
+    """Saves `output_ids` on target-alone requests that some other output differs from and whose ids the completion
+    does not give back, by decoding again; returns how many could not be reproduced."""
     baseline = next(name for name, spec in results["methods"].items() if spec == "target")
     texts = {(prompt.suite, prompt.category, prompt.prompt_id): prompt.text for prompt in prompts}
+    hashes = {_key(row): row["output_sha256"] for row in results["requests"] if row["method"] == baseline}
+    differed = {_key(row) for row in results["requests"] if row["output_sha256"] != hashes.get(_key(row))}
     failed = 0
     for row in results["requests"]:
         key = _key(row)
-        if row["method"] != baseline or key not in texts or output_token_ids(row, tokenizer, eos_ids) is not None:
+        if row["method"] != baseline or key not in texts or key not in differed:
+            continue
+        if output_token_ids(row, tokenizer, eos_ids) is not None:
             continue
         prompt_ids = encode_prompt(tokenizer, texts[key], results["settings"]["chat_template"])
         eos = target.generation_config.eos_token_id
         output = target_generate(target, prompt_ids, results["settings"]["max_new_tokens"], eos_token_id=eos)
         ids = output[0, prompt_ids.shape[1] :].tolist()
-        if hashlib.sha256(json.dumps(ids).encode()).hexdigest() == row["output_sha256"]:
+        if output_sha256(ids) == row["output_sha256"]:
             row["output_ids"] = ids
         else:
             failed += 1
@@ -75,6 +78,7 @@ def main() -> int:
     parser.add_argument("--prompts", action="append", default=[], metavar="SUITE|PATH")
     parser.add_argument("--data-dir")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="for results saved without it")
+    parser.add_argument("--relabel", action="store_true", help="label again requests already labelled")
     args = parser.parse_args()
     status = 0
     loaded = {}
@@ -91,6 +95,9 @@ def main() -> int:
         target, tokenizer = loaded[results["target"], dtype]
         eos = target.generation_config.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if args.relabel:
+            for row in results["requests"]:
+                row.pop("divergence", None)
         prompts = prompts_for(results, args.prompts, args.data_dir)
         unreproduced = redecode_references(target, tokenizer, results, prompts, eos_ids)
         label_divergences(target, tokenizer, results, prompts)
