@@ -55,7 +55,7 @@ TOKEN_PASSES=${TOKEN_PASSES:-5000000}
 OUT=$RUNS/full-budget
 PACKED=${PACKED:-benchmarks/checkpoints/full-budget-$TARGET}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-source benchmarks/replication/stages.sh  # log, restore_answers, train_in_chunks, tau_subset
+source benchmarks/replication/stages.sh  # log, restore_answers, train_in_chunks, budget_plan, tau_subset
 mkdir -p "$OUT"
 
 usage() {
@@ -96,16 +96,7 @@ init() {  # init DRAFTER: its init, rebuilt the same way on every machine
 
 # The budget in steps of the config's batch, from the feature cache's own token count; the curve's points are
 # fractions of it.
-plan() {
-  .venv/bin/python - "$FEATURES/feature_cache.json" "$TOKEN_PASSES" "$CONFIG" <<'PY'
-import json, math, sys, yaml
-train = json.load(open(sys.argv[1]))["splits"]["train"]
-config = yaml.safe_load(open(sys.argv[3]))
-batch = config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
-steps = math.ceil(int(sys.argv[2]) * train["num_sequences"] / (batch * train["num_tokens"]))
-print(steps, *(steps // d for d in (16, 8, 4, 2)))
-PY
-}
+plan() { budget_plan "$FEATURES/feature_cache.json" "$TOKEN_PASSES" "$CONFIG"; }  # stages.sh
 
 commit_results() {  # commit_results MESSAGE FILE...: with COMMIT=1, results files are committed as they are made
   [ "${COMMIT:-0}" = 1 ] || return 0

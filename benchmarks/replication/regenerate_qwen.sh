@@ -5,11 +5,16 @@
 # runs folder the committed lines are restored first, so no answer is generated twice.
 #
 #   COMMIT=1 nohup benchmarks/replication/regenerate_qwen.sh > /work/runs/regen.log 2>&1 &
+#
+# TARGET, TRAIN_CONVERSATIONS (8,000) and BATCH_SIZE (48) may be set to answer for another target (transfer_smollm2.sh
+# does); the defaults are the Qwen answers'. The other settings are fixed: a resumed run with others is refused.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-/work/runs}
 OSPREY=${OSPREY:-.venv/bin/osprey}
-TARGET=qwen2.5-coder-1.5b-instruct
+TARGET=${TARGET:-qwen2.5-coder-1.5b-instruct}
+TRAIN_CONVERSATIONS=${TRAIN_CONVERSATIONS:-8000}
+BATCH_SIZE=${BATCH_SIZE:-48}
 CHUNK_MINUTES=${CHUNK_MINUTES:-45}
 THREADS=${THREADS:-1}
 COMMIT=${COMMIT:-0}
@@ -24,8 +29,9 @@ restore_answers "$PACKED" "$OUT"
 # 2. One chunk of answering (the same settings as the committed answers, or the manifest check refuses).
 log "regenerate for at most $CHUNK_MINUTES min"
 timeout --signal=INT "${CHUNK_MINUTES}m" $OSPREY regenerate --target $TARGET --dataset-name sharegpt --output "$OUT" \
-  --splits test train --max-test-conversations 48 --max-train-conversations 8000 --batch-size 48 \
-  --max-new-tokens 256 --max-prompt-tokens 384 --threads "$THREADS" || log "chunk ended (exit $?)"
+  --splits test train --max-test-conversations 48 --max-train-conversations "$TRAIN_CONVERSATIONS" \
+  --batch-size "$BATCH_SIZE" --max-new-tokens 256 --max-prompt-tokens 384 --threads "$THREADS" \
+  || log "chunk ended (exit $?)"
 
 # 3. Pack: gzip every split (a torn last line is left out) and commit.
 pack() {

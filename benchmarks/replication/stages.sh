@@ -41,12 +41,13 @@ restore_answers() {  # restore_answers PACKED DIR: the committed target-written 
   [ -f "$2/manifest.json" ] || [ ! -f "$1/manifest.json" ] || cp "$1/manifest.json" "$2/"
 }
 
-tau_subset() {  # tau_subset RESULTS --drafter NAME=DIR...: greedy tau for Qwen2.5-Coder-1.5B-Instruct on a fixed
-  # 25-prompt subset, one per category of the replication's suites (no target-alone run: greedy tau needs none). The
-  # bench resumes RESULTS, so a rerun, or another drafter, only measures what is missing.
+tau_subset() {  # tau_subset RESULTS --drafter NAME=DIR...: greedy tau for TAU_TARGET (Qwen2.5-Coder-1.5B-Instruct
+  # unless set) on a fixed 25-prompt subset, one per category of the replication's suites (no target-alone run: greedy
+  # tau needs none). The bench resumes RESULTS, so a rerun, or another drafter, only measures what is missing.
   local results=$1; shift
-  $OSPREY bench --target qwen2.5-coder-1.5b-instruct "$@" --baselines "" --prompts spec_bench --prompts mt_bench \
-    --prompts humaneval --prompts mmath --per-category 1 --max-new-tokens 48 --dtype bfloat16 --output "$results"
+  $OSPREY bench --target "${TAU_TARGET:-qwen2.5-coder-1.5b-instruct}" "$@" --baselines "" --prompts spec_bench \
+    --prompts mt_bench --prompts humaneval --prompts mmath --per-category 1 --max-new-tokens 48 --dtype bfloat16 \
+    --output "$results"
 }
 
 # --- Chunked training, resumable across machines (stage2_qwen.sh, full_budget_qwen.sh) ---
@@ -54,6 +55,19 @@ tau_subset() {  # tau_subset RESULTS --drafter NAME=DIR...: greedy tau for Qwen2
 # and after each one its latest checkpoint is packed (`osprey pack --checkpoint ... "${PACK_ARGS[@]}"`, set by the
 # caller) into a folder that COMMIT=1 commits; a fresh machine unpacks it and resumes (same step and learning-rate
 # schedule; Adam's moments restart).
+
+budget_plan() {  # budget_plan CACHE_JSON TOKEN_PASSES CONFIG: the steps of CONFIG's batch that make TOKEN_PASSES
+  # token-passes (a token-pass: one token of a training sequence, prompt and answer, read once; the mean tokens per
+  # sequence from the feature cache's own count), then the learning curve's points, 1/16, 1/8, 1/4 and 1/2 of them
+  .venv/bin/python - "$@" <<'PY'
+import json, math, sys, yaml
+train = json.load(open(sys.argv[1]))["splits"]["train"]
+config = yaml.safe_load(open(sys.argv[3]))
+batch = config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
+steps = math.ceil(int(sys.argv[2]) * train["num_sequences"] / (batch * train["num_tokens"]))
+print(steps, *(steps // d for d in (16, 8, 4, 2)))
+PY
+}
 
 step_of() { grep -o '"global_step": *[0-9]*' "$1/trainer_state.json" | grep -o '[0-9]*$'; }
 

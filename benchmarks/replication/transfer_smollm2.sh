@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# Issue 54's second target family: the finished stage-2 backbone (benchmarks/checkpoints/stage2-qwen2.5-coder-0.5b-
+# 2l-first/final, Qwen2 blocks and vocabulary) adapted to SmolLM2-135M-Instruct (Llama blocks, 49,152-token
+# vocabulary), against the body-random and EAGLE-3 controls built like it, each distilled for TOKEN_PASSES (1.25 M)
+# token-passes on the same features of the first EXAMPLES (2,600) answers the target wrote, in the same order with the
+# same seed and settings (distill-transfer-smollm2.yaml, the Qwen full budget's), then one bench. Resumable across
+# machines like full_budget_qwen.sh: each stage skips what is done and resumes what was cut; products are packed into
+# benchmarks/checkpoints (COMMIT=1 commits them), and a fresh machine restores them first. Keep RUNS (default
+# /work/runs) the same across machines: the checkpoint packs record their init by path.
+#
+#   transfer_smollm2.sh answers        # target-written answers, one chunk: rerun until it says done
+#   transfer_smollm2.sh init           # the three inits
+#   transfer_smollm2.sh features       # the target's features of the first EXAMPLES answers
+#   transfer_smollm2.sh train DRAFTER  # chunks of distillation: rerun until it says done
+#   transfer_smollm2.sh curve DRAFTER  # tau of every kept curve point not yet benched
+#   transfer_smollm2.sh bench          # the one bench, then the groups' ratios
+#   transfer_smollm2.sh all            # init, features, the three trainings, bench: rerun until it says done
+#
+# - answers: regenerate_qwen.sh with TARGET=smollm2-135m-instruct (greedy `osprey regenerate` of ShareGPT openings,
+#   48 held-out and EXAMPLES training ones, batches of BATCH_SIZE on THREADS threads) for one CHUNK_MINUTES chunk,
+#   packed gzipped into benchmarks/checkpoints/regenerated-sharegpt-smollm2-135m-instruct. Measured alone at batch
+#   48 on 2 threads: ~64 answers a minute (528 in 491 s, 198 answer tokens/s): ~35 min for the rest of 2,600.
+# - init: the backbone unpacked (if missing) and converted with a 32,000-token draft vocabulary (the Qwen run's size;
+#   its list is Qwen's tokens) counted on the ShareGPT training text, then `osprey baseline scratch|eagle3 --like` it;
+#   prints the vocabulary alignment's counts. Measured: 81 s (beside the answers' first batch).
+# - features: bf16 target, sequences up to 640 tokens. Not measured yet.
+# - train: stages.sh's train_in_chunks (CHUNK_MINUTES, MAX_CHUNKS); each chunk's checkpoint packed as int4 changes
+#   against the drafter's init into benchmarks/checkpoints/transfer-smollm2-135m-instruct/DRAFTER. The curve's points
+#   (1/16, 1/8, 1/4, 1/2 of the steps, and the end) are evaluated on the held-out answers, kept, and their tau benched
+#   on the 25-prompt subset as each chunk ends (CURVE=0: later, with `curve`). Not measured yet.
+# - bench: osprey, scratch and eagle3 (chains, and trees with --draft-topk 3) and the target alone decode the
+#   replication's 50 prompts in one run (library drafting defaults, nothing tuned) into
+#   benchmarks/results/transfer-smollm2-135m-instruct.json; ratios.py's groups in ...-ratios.txt. Not measured yet.
+#
+# DRAFTER: osprey, scratch or eagle3.
+#
+# Budget (a token-pass is one token of a training sequence, opening and answer, read once: stages.sh, budget_plan).
+# SmolLM2-135M's first 528 training answers average 259 tokens a conversation with its chat template (184 of them the
+# answer; 39% end before the 256-token cap). EXAMPLES=2,600 conversations are then ~673 k tokens, and 1.25 M
+# token-passes are ~1.86 epochs of them (~1,210 steps of 4 sequences); 2,400 would need 2.01 epochs.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+RUNS=${RUNS:-/work/runs}
+OSPREY=${OSPREY:-.venv/bin/osprey}
+PYTHON=${PYTHON:-.venv/bin/python}
+TARGET=smollm2-135m-instruct
+BACKBONE_PACK=benchmarks/checkpoints/stage2-qwen2.5-coder-0.5b-2l-first/final
+BACKBONE=$RUNS/full-budget/backbone  # shared with full_budget_qwen.sh
+ANSWERS=benchmarks/checkpoints/regenerated-sharegpt-$TARGET
+CONFIG=benchmarks/replication/distill-transfer-smollm2.yaml
+EXAMPLES=${EXAMPLES:-2600}
+TOKEN_PASSES=${TOKEN_PASSES:-1250000}
+DRAFT_VOCAB=32000
+OUT=$RUNS/transfer-$TARGET
+PACKED=${PACKED:-benchmarks/checkpoints/transfer-$TARGET}
+RESULTS=benchmarks/results/transfer-$TARGET.json
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+export TAU_TARGET=$TARGET  # tau_subset's target
+source benchmarks/replication/stages.sh  # log, sharegpt_text, restore_answers, train_in_chunks, budget_plan, tau_subset
+mkdir -p "$OUT"
+
+usage() {
+  echo "usage: $0 answers | init | features | train DRAFTER | curve DRAFTER | bench | all   (DRAFTER: osprey, scratch" \
+    "or eagle3)" >&2
+  exit 2
+}
+MODE=${1:-}
+case $MODE in
+  answers|init|features|bench|all) [ $# -eq 1 ] || usage ;;
+  train|curve) [ $# -eq 2 ] || usage; case $2 in osprey|scratch|eagle3) ;; *) usage ;; esac ;;
+  *) usage ;;
+esac
+
+commit_results() {  # commit_results MESSAGE FILE...: with COMMIT=1, results files are committed as they are made
+  [ "${COMMIT:-0}" = 1 ] || return 0
+  local message=$1; shift
+  git add -- "$@" && { git diff --cached --quiet -- "$@" || git commit -q -m "$message" -- "$@"; }
+}
+
+answers() {  # one chunk of target-written answers, then the count
+  TARGET=$TARGET PACKED=$ANSWERS TRAIN_CONVERSATIONS=$EXAMPLES THREADS=${THREADS:-2} BATCH_SIZE=${BATCH_SIZE:-48} \
+    benchmarks/replication/regenerate_qwen.sh || return 1
+  local have; have=$(gunzip -c "$ANSWERS/train.jsonl.gz" | wc -l)
+  if [ "$have" -ge "$EXAMPLES" ]; then log "done: $have answers in $ANSWERS"; else log "$have of $EXAMPLES: rerun"; fi
+}
+
+init() {  # init [DRAFTER]: the inits, rebuilt the same way on every machine
+  [ -f "$BACKBONE/model.safetensors" ] || $OSPREY unpack --checkpoint "$BACKBONE_PACK" --output "$BACKBONE" || return 1
+  if [ ! -f "$OUT/osprey-init/model.safetensors" ]; then
+    sharegpt_text "$RUNS/sharegpt-train.txt" || return 1
+    log "convert $BACKBONE for $TARGET -> $OUT/osprey-init"
+    $OSPREY convert --backbone "$BACKBONE" --target $TARGET --draft-vocab-size $DRAFT_VOCAB \
+      --draft-vocab-corpus "$RUNS/sharegpt-train.txt" --output "$OUT/osprey-init" || return 1
+  fi
+  local control
+  for control in scratch eagle3; do
+    [ -z "${1:-}" ] || [ "$1" = "$control" ] || continue
+    [ -f "$OUT/$control-init/model.safetensors" ] || $OSPREY baseline $control --like "$OUT/osprey-init" \
+      --output "$OUT/$control-init" || return 1
+  done
+}
+
+FEATURES=$OUT/features-$EXAMPLES
+features() {
+  [ -f "$FEATURES/feature_cache.json" ] && return
+  restore_answers "$ANSWERS" "$OUT/answers"
+  local have; have=$(wc -l < "$OUT/answers/train.jsonl")
+  if [ "$have" -lt "$EXAMPLES" ]; then
+    log "only $have answers are packed in $ANSWERS, $EXAMPLES are needed: run $0 answers first"; return 1
+  fi
+  log "features of the first $EXAMPLES answers -> $FEATURES (resumes after its last complete shard)"
+  $OSPREY features --target $TARGET --dataset-name "$OUT/answers" --max-length 640 --batch-size 4 \
+    --target-dtype bfloat16 --max-examples "$EXAMPLES" --shard-size-mb 512 --output "$FEATURES" || return 1
+}
+
+curve() {  # curve DRAFTER: tau of each kept point (and the final drafter) with no row yet in its results file
+  local kept step results
+  for kept in "$OUT/$1/kept"/step-* "$OUT/$1"; do
+    [ -f "$kept/model.safetensors" ] || continue
+    step=$(step_of "$kept")
+    results=benchmarks/results/transfer-$TARGET-step$step.json
+    tau_subset "$results" --drafter "$1=$kept"
+    commit_results "Transfer to $TARGET: tau of $1 at step $step" "${results%.json}".*
+  done
+}
+
+train() {  # train DRAFTER: returns 0 when trained, 3 when its chunks ran out (rerun), 1 on failure
+  local steps keep rc=0
+  init "$1" || return 1
+  features || return 1
+  read -r steps keep <<< "$(budget_plan "$FEATURES/feature_cache.json" "$TOKEN_PASSES" "$CONFIG")"
+  [ -n "$keep" ] || { log "could not read the budget from $FEATURES/feature_cache.json"; return 1; }
+  log "$1: $steps steps ($TOKEN_PASSES token-passes), curve points at steps $keep and $steps"
+  PACK_ARGS=(--reference "$OUT/$1-init" --delta-bits 4)
+  train_in_chunks "$OUT/$1" "$PACKED/$1" $OSPREY distill --config "$CONFIG" --feature-cache "$FEATURES" \
+    --drafter "$OUT/$1-init" --output "$OUT/$1" --max-steps "$steps" --keep-steps $keep || rc=$?
+  if [ "${CURVE:-1}" = 1 ]; then curve "$1"; fi  # CURVE=0 leaves the benches for later (`curve`)
+  return $rc
+}
+
+finished() {  # finished DRAFTER: its final model in $OUT/DRAFTER (trained here, or unpacked from its committed pack)
+  [ -f "$PACKED/$1/final/osprey_pack.json" ] || { log "$1 is not trained yet: run train $1"; return 1; }
+  [ -f "$OUT/$1/model.safetensors" ] && return 0
+  init "$1" && $OSPREY unpack --checkpoint "$PACKED/$1/final" --output "$OUT/$1"
+}
+
+bench() {  # the one bench (chains, and trees with --draft-topk 3), then the groups' tau ratios
+  local drafter suffix drafters=()
+  for drafter in osprey scratch eagle3; do
+    finished $drafter || return 1
+    drafters+=(--drafter "$drafter=$OUT/$drafter")
+  done
+  log "the bench (osprey, scratch, eagle3, target) -> $RESULTS"
+  $OSPREY bench --target $TARGET "${drafters[@]}" --baselines target --prompts spec_bench --prompts mt_bench \
+    --prompts humaneval --prompts mmath --per-category 2 --seed 0 --max-new-tokens 64 --draft-topk 3 \
+    --drafter-quantization int8 --dtype bfloat16 --output "$RESULTS" || return 1
+  commit_results "Transfer to $TARGET: the bench (osprey, scratch, eagle3, target)" "${RESULTS%.json}".*
+  for suffix in "" -tree; do
+    $PYTHON benchmarks/replication/ratios.py "$RESULTS" --drafter "osprey$suffix" \
+      --controls "scratch$suffix" "eagle3$suffix" || return 1
+  done > "${RESULTS%.json}-ratios.txt" || return 1
+  cat "${RESULTS%.json}-ratios.txt"
+  commit_results "Transfer to $TARGET: the bench's ratios" "${RESULTS%.json}-ratios.txt"
+}
+
+rc=0
+case $MODE in
+  answers) answers || rc=$? ;;
+  init)
+    init || rc=$?
+    [ $rc -ne 0 ] || $PYTHON -c 'import json, sys; r = json.load(open(sys.argv[1])); d = r["draft_vocab"]
+print("alignment:", r["alignment"]["counts"], "| draft vocabulary:", d["size"], "coverage", d.get("corpus_coverage"))' \
+      "$OUT/osprey-init/alignment_report.json" ;;
+  features) features && log "done: $FEATURES" || rc=$? ;;
+  curve) curve "$2" ;;
+  train) train "$2" || rc=$?; [ $rc -eq 3 ] && rc=0 ;;  # chunks ran out: rerun to continue
+  bench) bench || rc=$? ;;
+  all)
+    init && features || rc=$?
+    if [ $rc -eq 0 ]; then
+      for drafter in osprey scratch eagle3; do
+        train "$drafter" || rc=$?
+        [ $rc -eq 0 ] || break
+      done
+    fi
+    if [ $rc -eq 0 ]; then bench && log "done" || rc=$?; fi
+    [ $rc -eq 3 ] && { log "rerun to continue"; rc=0; } ;;
+esac
+exit $rc
