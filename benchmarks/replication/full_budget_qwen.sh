@@ -54,8 +54,14 @@ EXAMPLES=${EXAMPLES:-4800}
 TOKEN_PASSES=${TOKEN_PASSES:-5000000}
 OUT=$RUNS/full-budget
 PACKED=${PACKED:-benchmarks/checkpoints/full-budget-$TARGET}
+ANSWERS_HINT="run regenerate_qwen.sh first"
+CURVE_RESULTS=benchmarks/results/full-budget-$TARGET
+CURVE_TITLE="Full-budget learning curve"
+# int4 changes against the init; EAGLE-3's 106 M trained parameters (its head, an MLP and `fc` at the target's width)
+# would make a 55 MB int4 pack, above the 50 MB a committed product may take: 3-bit changes (~41 MB)
+EAGLE3_DELTA_BITS=3
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-source benchmarks/replication/stages.sh  # log, restore_answers, train_in_chunks, budget_plan, tau_subset
+source benchmarks/replication/stages.sh  # log, commit_results, features, train, curve, finished, tau_subset
 mkdir -p "$OUT"
 
 usage() {
@@ -70,18 +76,7 @@ case $MODE in
 esac
 
 FEATURES=$OUT/features-$EXAMPLES
-features() {
-  [ -f "$FEATURES/feature_cache.json" ] && return
-  restore_answers "$ANSWERS" "$OUT/answers"
-  local have; have=$(wc -l < "$OUT/answers/train.jsonl")
-  if [ "$have" -lt "$EXAMPLES" ]; then
-    log "only $have regenerated answers are committed, $EXAMPLES are needed: run regenerate_qwen.sh first"; exit 1
-  fi
-  log "features of the first $EXAMPLES regenerated answers -> $FEATURES (resumes after its last complete shard)"
-  $OSPREY features --target $TARGET --dataset-name "$OUT/answers" --max-length 640 --batch-size 4 \
-    --target-dtype bfloat16 --max-examples "$EXAMPLES" --shard-size-mb 512 --output "$FEATURES" || return 1
-}
-if [ "$MODE" = features ]; then features; log "done: $FEATURES"; exit 0; fi
+if [ "$MODE" = features ]; then features || exit 1; log "done: $FEATURES"; exit 0; fi
 
 init() {  # init DRAFTER: its init, rebuilt the same way on every machine
   local backbone=$OUT/backbone
@@ -94,44 +89,6 @@ init() {  # init DRAFTER: its init, rebuilt the same way on every machine
   esac
 }
 
-# The budget in steps of the config's batch, from the feature cache's own token count; the curve's points are
-# fractions of it.
-plan() { budget_plan "$FEATURES/feature_cache.json" "$TOKEN_PASSES" "$CONFIG"; }  # stages.sh
-
-commit_results() {  # commit_results MESSAGE FILE...: with COMMIT=1, results files are committed as they are made
-  [ "${COMMIT:-0}" = 1 ] || return 0
-  local message=$1; shift
-  git add -- "$@" && { git diff --cached --quiet -- "$@" || git commit -q -m "$message" -- "$@"; }
-}
-
-curve() {  # curve DRAFTER: tau of each kept point (and the final drafter) with no row yet in its results file
-  local kept step results
-  for kept in "$OUT/$1/kept"/step-* "$OUT/$1"; do
-    [ -f "$kept/model.safetensors" ] || continue
-    step=$(step_of "$kept")
-    results=benchmarks/results/full-budget-$TARGET-step$step.json
-    tau_subset "$results" --drafter "$1=$kept"
-    commit_results "Full-budget learning curve: tau of $1 at step $step" "${results%.json}".*
-  done
-}
-
-train() {  # train DRAFTER: returns 0 when trained, 3 when its chunks ran out (rerun), 1 on failure
-  local steps keep rc=0
-  init "$1" || return 1
-  features || return 1
-  read -r steps keep <<< "$(plan)"
-  [ -n "$keep" ] || { log "could not read the budget from $FEATURES/feature_cache.json"; return 1; }
-  log "$1: $steps steps ($TOKEN_PASSES token-passes), curve points at steps $keep and $steps"
-  # int4 changes against the init; EAGLE-3's 106 M trained parameters (its head, an MLP and `fc` at the target's
-  # width) would make a 55 MB int4 pack, above the 50 MB a committed product may take: 3-bit changes (~41 MB)
-  local bits=4; [ "$1" = eagle3 ] && bits=3
-  PACK_ARGS=(--reference "$OUT/$1-init" --delta-bits $bits)
-  train_in_chunks "$OUT/$1" "$PACKED/$1" $OSPREY distill --config "$CONFIG" --feature-cache "$FEATURES" \
-    --drafter "$OUT/$1-init" --output "$OUT/$1" --max-steps "$steps" --keep-steps $keep || rc=$?
-  if [ "${CURVE:-1}" = 1 ]; then curve "$1"; fi  # CURVE=0 leaves the benches for later (`curve`)
-  return $rc
-}
-
 SUITES=(--prompts spec_bench --prompts mt_bench --prompts humaneval --prompts mmath)
 TUNED=benchmarks/results/tuned-methods-full-budget-$TARGET.json
 RESULTS=benchmarks/results/replication-$TARGET.json
@@ -139,12 +96,6 @@ RESULTS=benchmarks/results/replication-$TARGET.json
 # and the lookup branch's settings, the suites and lengths (in `bench`, each method's tuned settings override them)
 DECODING=(--baselines target,pld,sps:qwen2.5-coder-0.5b-instruct --draft-topk 3 --prompt-lookup-num-tokens 8
   --drafter-quantization int8 "${SUITES[@]}" --max-new-tokens 64 --dtype bfloat16)
-finished() {  # finished DRAFTER: its final model in $OUT/DRAFTER (trained here, or unpacked from its committed pack)
-  [ -f "$PACKED/$1/final/osprey_pack.json" ] || { log "$1 is not trained yet: run train $1"; return 1; }
-  [ -f "$OUT/$1/model.safetensors" ] && return 0
-  init "$1" && $OSPREY unpack --checkpoint "$PACKED/$1/final" --output "$OUT/$1"
-}
-
 read -r -a BENCHED <<< "${DRAFTERS:-osprey scratch eagle3}"
 for drafter in "${BENCHED[@]}"; do case $drafter in osprey|scratch|eagle3) ;; *) usage ;; esac; done
 methods_of() {  # methods_of RESULTS...: the method names of bench results files

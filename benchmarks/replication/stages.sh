@@ -142,3 +142,58 @@ train_in_chunks() {  # train_in_chunks RUN PACKED COMMAND...: runs COMMAND (an `
   log "${MAX_CHUNKS:-3} chunk(s) run: rerun to continue"
   return 3
 }
+
+# --- A target's three drafters distilled on one budget (full_budget_qwen.sh, transfer_smollm2.sh) ---
+# The caller sets TARGET, OUT, ANSWERS (the committed answers), ANSWERS_HINT (how to make more), EXAMPLES, FEATURES,
+# CONFIG, TOKEN_PASSES, PACKED, CURVE_RESULTS (the curve's results files' prefix), CURVE_TITLE (its commit
+# messages), optionally EAGLE3_DELTA_BITS (default 4), and defines `init DRAFTER`.
+
+commit_results() {  # commit_results MESSAGE FILE...: with COMMIT=1, results files are committed as they are made
+  [ "${COMMIT:-0}" = 1 ] || return 0
+  local message=$1; shift
+  git add -- "$@" && { git diff --cached --quiet -- "$@" || git commit -q -m "$message" -- "$@"; }
+}
+
+features() {  # the target's features of the first EXAMPLES answers, in FEATURES
+  [ -f "$FEATURES/feature_cache.json" ] && return
+  restore_answers "$ANSWERS" "$OUT/answers"
+  local have; have=$(wc -l < "$OUT/answers/train.jsonl")
+  if [ "$have" -lt "$EXAMPLES" ]; then
+    log "only $have answers are committed in $ANSWERS, $EXAMPLES are needed: $ANSWERS_HINT"; return 1
+  fi
+  log "features of the first $EXAMPLES answers -> $FEATURES (resumes after its last complete shard)"
+  $OSPREY features --target $TARGET --dataset-name "$OUT/answers" --max-length 640 --batch-size 4 \
+    --target-dtype bfloat16 --max-examples "$EXAMPLES" --shard-size-mb 512 --output "$FEATURES" || return 1
+}
+
+curve() {  # curve DRAFTER: tau of each kept point (and the final drafter) with no row yet in its results file
+  local kept step results
+  for kept in "$OUT/$1/kept"/step-* "$OUT/$1"; do
+    [ -f "$kept/model.safetensors" ] || continue
+    step=$(step_of "$kept")
+    results=$CURVE_RESULTS-step$step.json
+    tau_subset "$results" --drafter "$1=$kept"
+    commit_results "$CURVE_TITLE: tau of $1 at step $step" "${results%.json}".*
+  done
+}
+
+train() {  # train DRAFTER: returns 0 when trained, 3 when its chunks ran out (rerun), 1 on failure
+  local steps keep rc=0 bits=4
+  init "$1" || return 1
+  features || return 1
+  read -r steps keep <<< "$(budget_plan "$FEATURES/feature_cache.json" "$TOKEN_PASSES" "$CONFIG")"
+  [ -n "$keep" ] || { log "could not read the budget from $FEATURES/feature_cache.json"; return 1; }
+  log "$1: $steps steps ($TOKEN_PASSES token-passes), curve points at steps $keep and $steps"
+  [ "$1" = eagle3 ] && bits=${EAGLE3_DELTA_BITS:-4}
+  PACK_ARGS=(--reference "$OUT/$1-init" --delta-bits $bits)  # changes against the init
+  train_in_chunks "$OUT/$1" "$PACKED/$1" $OSPREY distill --config "$CONFIG" --feature-cache "$FEATURES" \
+    --drafter "$OUT/$1-init" --output "$OUT/$1" --max-steps "$steps" --keep-steps $keep || rc=$?
+  if [ "${CURVE:-1}" = 1 ]; then curve "$1"; fi  # CURVE=0 leaves the benches for later (`curve`)
+  return $rc
+}
+
+finished() {  # finished DRAFTER: its final model in $OUT/DRAFTER (trained here, or unpacked from its committed pack)
+  [ -f "$PACKED/$1/final/osprey_pack.json" ] || { log "$1 is not trained yet: run train $1"; return 1; }
+  [ -f "$OUT/$1/model.safetensors" ] && return 0
+  init "$1" && $OSPREY unpack --checkpoint "$PACKED/$1/final" --output "$OUT/$1"
+}

@@ -54,9 +54,12 @@ DRAFT_VOCAB=32000
 OUT=$RUNS/transfer-$TARGET
 PACKED=${PACKED:-benchmarks/checkpoints/transfer-$TARGET}
 RESULTS=benchmarks/results/transfer-$TARGET.json
+ANSWERS_HINT="run $0 answers first"
+CURVE_RESULTS=benchmarks/results/transfer-$TARGET
+CURVE_TITLE="Transfer to $TARGET"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 export TAU_TARGET=$TARGET  # tau_subset's target
-source benchmarks/replication/stages.sh  # log, sharegpt_text, restore_answers, train_in_chunks, budget_plan, tau_subset
+source benchmarks/replication/stages.sh  # log, sharegpt_text, commit_results, features, train, curve, finished
 mkdir -p "$OUT"
 
 usage() {
@@ -70,12 +73,6 @@ case $MODE in
   train|curve) [ $# -eq 2 ] || usage; case $2 in osprey|scratch|eagle3) ;; *) usage ;; esac ;;
   *) usage ;;
 esac
-
-commit_results() {  # commit_results MESSAGE FILE...: with COMMIT=1, results files are committed as they are made
-  [ "${COMMIT:-0}" = 1 ] || return 0
-  local message=$1; shift
-  git add -- "$@" && { git diff --cached --quiet -- "$@" || git commit -q -m "$message" -- "$@"; }
-}
 
 answers() {  # one chunk of target-written answers, then the count
   TARGET=$TARGET PACKED=$ANSWERS TRAIN_CONVERSATIONS=$EXAMPLES THREADS=${THREADS:-2} BATCH_SIZE=${BATCH_SIZE:-48} \
@@ -101,48 +98,6 @@ init() {  # init [DRAFTER]: the inits, rebuilt the same way on every machine
 }
 
 FEATURES=$OUT/features-$EXAMPLES
-features() {
-  [ -f "$FEATURES/feature_cache.json" ] && return
-  restore_answers "$ANSWERS" "$OUT/answers"
-  local have; have=$(wc -l < "$OUT/answers/train.jsonl")
-  if [ "$have" -lt "$EXAMPLES" ]; then
-    log "only $have answers are packed in $ANSWERS, $EXAMPLES are needed: run $0 answers first"; return 1
-  fi
-  log "features of the first $EXAMPLES answers -> $FEATURES (resumes after its last complete shard)"
-  $OSPREY features --target $TARGET --dataset-name "$OUT/answers" --max-length 640 --batch-size 4 \
-    --target-dtype bfloat16 --max-examples "$EXAMPLES" --shard-size-mb 512 --output "$FEATURES" || return 1
-}
-
-curve() {  # curve DRAFTER: tau of each kept point (and the final drafter) with no row yet in its results file
-  local kept step results
-  for kept in "$OUT/$1/kept"/step-* "$OUT/$1"; do
-    [ -f "$kept/model.safetensors" ] || continue
-    step=$(step_of "$kept")
-    results=benchmarks/results/transfer-$TARGET-step$step.json
-    tau_subset "$results" --drafter "$1=$kept"
-    commit_results "Transfer to $TARGET: tau of $1 at step $step" "${results%.json}".*
-  done
-}
-
-train() {  # train DRAFTER: returns 0 when trained, 3 when its chunks ran out (rerun), 1 on failure
-  local steps keep rc=0
-  init "$1" || return 1
-  features || return 1
-  read -r steps keep <<< "$(budget_plan "$FEATURES/feature_cache.json" "$TOKEN_PASSES" "$CONFIG")"
-  [ -n "$keep" ] || { log "could not read the budget from $FEATURES/feature_cache.json"; return 1; }
-  log "$1: $steps steps ($TOKEN_PASSES token-passes), curve points at steps $keep and $steps"
-  PACK_ARGS=(--reference "$OUT/$1-init" --delta-bits 4)
-  train_in_chunks "$OUT/$1" "$PACKED/$1" $OSPREY distill --config "$CONFIG" --feature-cache "$FEATURES" \
-    --drafter "$OUT/$1-init" --output "$OUT/$1" --max-steps "$steps" --keep-steps $keep || rc=$?
-  if [ "${CURVE:-1}" = 1 ]; then curve "$1"; fi  # CURVE=0 leaves the benches for later (`curve`)
-  return $rc
-}
-
-finished() {  # finished DRAFTER: its final model in $OUT/DRAFTER (trained here, or unpacked from its committed pack)
-  [ -f "$PACKED/$1/final/osprey_pack.json" ] || { log "$1 is not trained yet: run train $1"; return 1; }
-  [ -f "$OUT/$1/model.safetensors" ] && return 0
-  init "$1" && $OSPREY unpack --checkpoint "$PACKED/$1/final" --output "$OUT/$1"
-}
 
 bench() {  # the one bench (chains, and trees with --draft-topk 3), then the groups' tau ratios
   local drafter suffix drafters=()
