@@ -21,7 +21,6 @@ Results are saved after every request; re-running with the same `--output` skips
 import hashlib
 import json
 import os
-import sys
 import time
 import warnings
 import zlib
@@ -34,7 +33,7 @@ from tqdm.auto import tqdm
 from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
 from modeling_osprey.decoding_osprey import default_tree_size
 
-from .bench_report import UNEXPLAINED_ERROR, save_report, summarize, unexplained
+from .bench_report import exit_status, save_report, summarize
 from .bench_suites import SUITES, BenchPrompt, load_suite, select_subset
 from .decode import add_decoding_arguments, encode_prompt, speculative_generate, target_generate
 from .near_tie import explain, first_divergence, upcast
@@ -664,7 +663,4 @@ def _run_bench(args) -> int:
     )
     markdown = save_report(results, Path(args.output))
     print(markdown)
-    if unexplained(results):
-        print(UNEXPLAINED_ERROR.format(count=len(unexplained(results))), file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(results)

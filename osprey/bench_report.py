@@ -13,6 +13,7 @@ Definitions (the `evaluate` modules under `metrics/` compute the same from users
   (`osprey.near_tie`), and the table lists each.
 """
 
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -170,10 +171,18 @@ def unexplained(results: dict) -> list[dict]:
     return [row for row in results["requests"] if (row.get("divergence") or {}).get("label") == UNEXPLAINED]
 
 
-UNEXPLAINED_ERROR = (
-    "{count} output(s) differ from the target alone's where its float32 margin exceeds what rounding can move: "
-    "lossless verification should never do that. See the table's list; rerun with --dtype float32 to check exactness."
-)
+def exit_status(results: dict) -> int:
+    """The CLI's exit status for a run (`osprey bench`, `osprey demo`): 1, saying so on stderr, when an output differs
+    from the target alone's by more than rounding explains; 0 otherwise."""
+    count = len(unexplained(results))
+    if count:
+        print(
+            f"{count} output(s) differ from the target alone's where its float32 margin exceeds what rounding can "
+            "move: lossless verification should never do that. See the table's list; rerun with --dtype float32 to "
+            "check exactness.",
+            file=sys.stderr,
+        )
+    return 1 if count else 0
 
 
 def _share(record: dict) -> str:

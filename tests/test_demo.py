@@ -11,6 +11,7 @@ import tomllib
 import torch
 from test_bench import models  # noqa: F401 (fixture: a near-copy target and drafter, a char tokenizer)
 from test_decoding import plain_greedy, prompt
+from test_near_tie import take_the_second_best
 
 from osprey import OspreyForDrafting
 from osprey.cli import main
@@ -158,8 +159,6 @@ def test_packaged_drafter_drafts_for_the_real_target(smollm2_cache, monkeypatch,
 def test_demo_in_bf16_explains_every_difference_and_fails_on_a_wrong_verification(smollm2_cache, monkeypatch, tmp_path):
     """In bfloat16 an output may leave the target's own decoding only at a measured near tie (`osprey.near_tie`);
     the control, a verification that takes the target's second-best token, makes `osprey demo` fail."""
-    import modeling_osprey.decoding_osprey as decoding_osprey
-
     monkeypatch.setenv("OSPREY_HOME", str(smollm2_cache))
     command = ["demo", "--target", PILOT, "--drafter", str(PILOT_DRAFTER_DIR), "--max-new-tokens", "24"]
     command += ["--dtype", "bfloat16"]
@@ -170,13 +169,7 @@ def test_demo_in_bf16_explains_every_difference_and_fails_on_a_wrong_verificatio
 
     assert main([*command, "--output", str(tmp_path / "honest.json")]) == 0
     assert set(labels(tmp_path / "honest.json")) <= {"near tie"}  # measured: 3 of 6 differ, margins 0.05-0.21
-    verify = decoding_osprey._verify
-
-    def accepts_the_second_best(logits, sequence, drafts, *args):
-        accepted, _ = verify(logits, sequence, drafts, *args)
-        return accepted, logits[0, accepted].float().topk(2).indices[1].view(1, 1)
-
-    monkeypatch.setattr(decoding_osprey, "_verify", accepts_the_second_best)
+    take_the_second_best(monkeypatch)
     assert main([*command, "--output", str(tmp_path / "wrong.json")]) == 1
     assert "UNEXPLAINED" in labels(tmp_path / "wrong.json")
 

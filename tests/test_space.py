@@ -14,6 +14,7 @@ import torch
 from gradio_client import Client
 from PIL import Image
 from test_decoding import near_copy_pair, random_drafter
+from test_near_tie import take_the_second_best
 from test_vocab_alignment import byte_level_tokenizer
 
 from osprey.decode import speculative_generate
@@ -86,17 +87,9 @@ def test_generate_streams_highlighted_osprey_output_equal_to_the_target_alone(sp
 def test_a_differing_output_is_labelled_by_its_float32_margin(space, tiny_models, monkeypatch):
     """Equal outputs get no note; a verification that takes the target's second-best token (the control) makes the
     outputs differ, and the page says where and whether rounding explains it (`osprey.near_tie`)."""
-    import modeling_osprey.decoding_osprey as decoding_osprey
-
     final = dict(zip(OUTPUT_NAMES, list(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 40))[-1]))
     assert "outputs differ" not in final["tree"]
-    verify = decoding_osprey._verify
-
-    def accepts_the_second_best(logits, sequence, drafts, *args):
-        accepted, _ = verify(logits, sequence, drafts, *args)
-        return accepted, logits[0, accepted].float().topk(2).indices[1].view(1, 1)
-
-    monkeypatch.setattr(decoding_osprey, "_verify", accepts_the_second_best)
+    take_the_second_best(monkeypatch)
     final = dict(zip(OUTPUT_NAMES, list(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 40))[-1]))
     assert "The outputs differ from new token" in final["tree"]
     assert re.search(r"margin there \d+\.\d+, rounding bound \d+\.\d+\): (a near tie|UNEXPLAINED)", final["tree"])
