@@ -34,7 +34,7 @@ from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
 from modeling_osprey.decoding_osprey import default_tree_size
 
 from .bench_report import exit_status, save_report, summarize
-from .bench_suites import SUITES, BenchPrompt, load_suite, select_subset
+from .bench_suites import CORPUS_SUITES, SUITES, BenchPrompt, load_suite, select_subset
 from .decode import add_decoding_arguments, encode_prompt, speculative_generate, target_generate
 from .near_tie import explain, first_divergence, upcast
 from .pack import custom_generate_folder, load_drafter
@@ -588,7 +588,7 @@ def add_subcommand(subparsers) -> None:
         "--prompts",
         action="append",
         metavar="SUITE|PATH",
-        help=f"suite ({', '.join(SUITES)}) or JSONL file / directory; repeatable (default: spec_bench)",
+        help=f"suite ({', '.join(SUITES + CORPUS_SUITES)}) or JSONL file / directory; repeatable (default: spec_bench)",
     )
     parser.add_argument(
         "--data-dir",

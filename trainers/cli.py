@@ -25,8 +25,12 @@ def add_subcommand(subparsers) -> None:
         parser.add_argument("argv", nargs=argparse.REMAINDER)
         parser.set_defaults(run=lambda args, module=module: importlib.import_module(module).main(args.argv))
 
-    parser = subparsers.add_parser("data", help="build the offline training corpora (general, multilingual, sharegpt)")
-    parser.add_argument("corpus", choices=("general", "multilingual", "sharegpt"), help="which corpus to build")
+    parser = subparsers.add_parser(
+        "data", help="build the offline training corpora (general, multilingual, multilingual-chat, sharegpt)"
+    )
+    parser.add_argument(
+        "corpus", choices=("general", "multilingual", "multilingual-chat", "sharegpt"), help="which corpus to build"
+    )
     parser.add_argument("--cache-dir", help="cache root (default: $OSPREY_HOME or ~/.cache/osprey)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the corpus is already built")
     parser.add_argument(
@@ -49,18 +53,36 @@ def add_subcommand(subparsers) -> None:
         metavar="MANIFEST",
         help="multilingual: an earlier build's manifest.json; packages whose version or SHA-256 differ are reported",
     )
+    parser.add_argument(
+        "--max-per-language",
+        type=int,
+        metavar="N",
+        help="multilingual-chat: training openings kept per language (default: 400)",
+    )
+    parser.add_argument(
+        "--max-test-per-language",
+        type=int,
+        metavar="N",
+        help="multilingual-chat: held-out openings kept per language (default: 10)",
+    )
     parser.set_defaults(run=_run_data)
 
 
 def _run_data(args) -> int:
-    from .data import prepare_general, prepare_multilingual, prepare_sharegpt
+    from .data import prepare_general, prepare_multilingual, prepare_multilingual_chat, prepare_sharegpt
 
     if args.corpus != "multilingual" and (args.tokenizer or args.lock):
         raise ValueError("--tokenizer and --lock apply to the multilingual corpus only.")
+    caps = {"max_per_language": args.max_per_language, "max_test_per_language": args.max_test_per_language}
+    caps = {name: value for name, value in caps.items() if value is not None}
+    if args.corpus != "multilingual-chat" and caps:
+        raise ValueError("--max-per-language and --max-test-per-language apply to the multilingual-chat corpus only.")
     if args.corpus == "general":
         print(prepare_general(args.cache_dir, force=args.force))
     elif args.corpus == "multilingual":
         print(prepare_multilingual(args.cache_dir, force=args.force, tokenizer=args.tokenizer, lock=args.lock))
+    elif args.corpus == "multilingual-chat":
+        print(prepare_multilingual_chat(args.cache_dir, force=args.force, **caps))
     else:
         print(prepare_sharegpt(args.cache_dir, force=args.force, exclude_prompt_files=args.exclude_prompts))
     return 0

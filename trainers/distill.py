@@ -6,6 +6,7 @@ next-token distribution by soft cross-entropy. Positions, tokens and attention m
 `modeling_osprey.generation_osprey` one to one, so what is trained is what decoding runs (see `ttt_loss`).
 """
 
+import json
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from datasets import Dataset
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
 from transformers.trainer_utils import has_length
@@ -35,7 +37,13 @@ from .devices import (
     unwrap,
 )
 from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset, greedy_tokens
-from .losses import head_for_loss, linear_soft_cross_entropy, store_column_major, target_distribution
+from .losses import (
+    head_for_loss,
+    linear_soft_cross_entropy,
+    linear_token_cross_entropy,
+    store_column_major,
+    target_distribution,
+)
 from .pretrain import resume_argument
 from .tokenization import tokenize_dataset
 
@@ -72,6 +80,23 @@ class OspreyDistillConfig(TrainingArguments):
         keep_steps (`list[int]`, *optional*, defaults to `[]`):
             Steps at which a checkpoint is saved and its model kept in `output_dir/kept/step-N`, out of reach of
             `save_total_limit`: the points of a learning curve in a long run (see `trainers.devices.KeepModelAt`).
+        lm_replay_dataset (`str`, *optional*):
+            A text (or chat) corpus `trainers.data.load_text_dataset` reads, typically `multilingual`: its `train`
+            split, tokenized by the drafter's tokenizer (`processing_class`), is replayed as plain language modelling
+            (see `lm_replay_loss`) so that distillation on English answers does not erase the backbone's other
+            languages. Needs `lm_replay_weight > 0`.
+        lm_replay_weight (`float`, *optional*, defaults to 0.0):
+            Each training micro-batch's loss adds `lm_replay_weight * CE`, `CE` the drafter's mean next-token
+            cross-entropy on a replay batch read without target features (0: off).
+        lm_replay_batch_size (`int`, *optional*):
+            Replay sequences per micro-batch; defaults to `per_device_train_batch_size`.
+        lm_replay_max_length (`int`, *optional*, defaults to 512):
+            Replay sequences are truncated to this many tokens.
+        pretrained_learning_rate_scale (`float`, *optional*, defaults to 1.0):
+            In (0, 1]: the weights the pretrained backbone supplied train at `scale * learning_rate`, the weights
+            `osprey convert` added (`model.fc`, `model.layers.0.hidden_norm` and the feature half, the first
+            `hidden_size` input columns, of block 0's q/k/v) at `learning_rate`. Refused for drafters without a
+            pretrained body: the EAGLE-3 control and the scratch control (see `OspreyDistillTrainer`).
     """
 
     target_model: str | None = field(
@@ -93,6 +118,31 @@ class OspreyDistillConfig(TrainingArguments):
         default_factory=list,
         metadata={"help": "Steps whose model is kept in output_dir/kept/step-N (learning-curve points).", "nargs": "+"},
     )
+    lm_replay_dataset: str | None = field(
+        default=None,
+        metadata={
+            "help": "Corpus replayed as language modelling without target features (its train split, e.g. "
+            "`multilingual` from `osprey data multilingual`): keeps a pretrained backbone's other languages. "
+            "Needs --lm-replay-weight."
+        },
+    )
+    lm_replay_weight: float = field(
+        default=0.0,
+        metadata={"help": "Weight of the replay next-token cross-entropy added to each training loss (0: off)."},
+    )
+    lm_replay_batch_size: int | None = field(
+        default=None, metadata={"help": "Replay sequences per micro-batch (default: per_device_train_batch_size)."}
+    )
+    lm_replay_max_length: int = field(default=512, metadata={"help": "Truncate replay sequences to this many tokens."})
+    pretrained_learning_rate_scale: float = field(
+        default=1.0,
+        metadata={
+            "help": "In (0, 1]: the weights the pretrained backbone supplied train at this times learning_rate; the "
+            "weights `osprey convert` added (fc, the fusion block's hidden_norm and the feature half of its q/k/v) "
+            "at learning_rate. Refused for the controls of `osprey baseline` (scratch: random blocks; eagle3: no "
+            "backbone), which have no pretrained body to protect: train them without it."
+        },
+    )
     learning_rate: float = field(default=1e-4, metadata={"help": "The initial learning rate for AdamW."})
     logging_steps: float = field(default=10, metadata={"help": "Log every X update steps."})
     bf16: bool | None = field(default=None, metadata={"help": "bf16 mixed precision; default: on iff CUDA has bf16."})
@@ -111,6 +161,29 @@ class OspreyDistillConfig(TrainingArguments):
             )
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps must be at least 1, got {self.ttt_steps}.")
+        if self.lm_replay_weight < 0:
+            raise ValueError(
+                f"lm_replay_weight must be 0 (off) or positive, got {self.lm_replay_weight}: set --lm-replay-weight "
+                "to e.g. 0.1."
+            )
+        if self.lm_replay_dataset is not None and self.lm_replay_weight == 0:
+            raise ValueError(
+                f"--lm-replay-dataset {self.lm_replay_dataset} is set but --lm-replay-weight is 0, which turns the "
+                "replay term off: probably a mistake. Set --lm-replay-weight (e.g. 0.1), or drop --lm-replay-dataset."
+            )
+        if self.lm_replay_batch_size is None:
+            self.lm_replay_batch_size = self.per_device_train_batch_size
+        if self.lm_replay_batch_size < 1 or self.lm_replay_max_length < 2:
+            raise ValueError(
+                "lm_replay_batch_size must be at least 1 and lm_replay_max_length at least 2 (a next token), got "
+                f"{self.lm_replay_batch_size} and {self.lm_replay_max_length}."
+            )
+        if not 0 < self.pretrained_learning_rate_scale <= 1:
+            raise ValueError(
+                f"pretrained_learning_rate_scale must be in (0, 1], got {self.pretrained_learning_rate_scale}: 1 "
+                "trains every weight at learning_rate, 0.1 the backbone's weights at a tenth of it (0 would freeze "
+                "them: use a small positive value)."
+            )
 
 
 @dataclass
@@ -232,6 +305,63 @@ def ttt_loss(
     )
 
 
+def target_to_draft_ids(draft_to_target: torch.LongTensor, vocab_size: int) -> torch.LongTensor:
+    """The inverse of a drafter's `draft_to_target`: each target id's row of the draft vocabulary, -100 (ignored by
+    the cross-entropies) for target tokens outside it."""
+    index = torch.full((vocab_size,), -100, dtype=torch.long, device=draft_to_target.device)
+    index[draft_to_target] = torch.arange(len(draft_to_target), device=draft_to_target.device)
+    return index
+
+
+def lm_replay_loss(
+    drafter,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    target_to_draft: torch.LongTensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The drafter's next-token cross-entropy on a right-padded batch of text read *without target features*:
+    `draft_hidden_states` is zero, so `fc` is bypassed and `hidden_norm(0) = 0`, and the fusion block's q/k/v read
+    nothing through their feature half. A drafter freshly converted from a backbone therefore computes exactly the
+    backbone here (over the draft vocabulary), and the term trains the computation the backbone's languages live in.
+
+    Position `j` is labelled with token `j + 1` mapped into the draft vocabulary (`target_to_draft`, see
+    `target_to_draft_ids`), where that token exists, has `loss_mask` 1 and is in the draft vocabulary (the others
+    are ignored). Returns the mean cross-entropy over the labelled positions and their number. The LM head is applied
+    by the fused `trainers.losses.linear_token_cross_entropy`, a chunk of rows at a time.
+    """
+    inner = unwrap(drafter)
+    next_tokens = target_to_draft[F.pad(input_ids[:, 1:], (0, 1))]
+    counted = label_positions(loss_mask * attention_mask) & (next_tokens >= 0)
+    features = torch.zeros(*input_ids.shape, inner.config.hidden_size, dtype=inner.dtype, device=input_ids.device)
+    outputs = drafter(
+        input_ids,
+        draft_hidden_states=features,
+        attention_mask=attention_mask,
+        use_cache=False,
+        logits_to_keep=counted,
+        skip_logits=True,
+    )
+    head = head_for_loss(inner.lm_head.weight)
+    cross_entropy, _ = linear_token_cross_entropy(outputs.last_hidden_state, head, next_tokens[counted])
+    count = counted.sum()
+    return cross_entropy / count.clamp(min=1), count
+
+
+def replay_indices(draw: int, batch_size: int, num_examples: int, seed: int) -> list[int]:
+    """The examples of replay batch number `draw` (0-based): positions `draw * batch_size ...` of an endless stream
+    of epochs, epoch `e` a permutation of the `num_examples` examples drawn from `seed + e`. A pure function, so a
+    resumed run draws exactly the batches the uninterrupted run drew."""
+    indices, permutation, epoch = [], None, None
+    for position in range(draw * batch_size, (draw + 1) * batch_size):
+        position_epoch, offset = divmod(position, num_examples)
+        if position_epoch != epoch:
+            epoch = position_epoch
+            permutation = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed + epoch))
+        indices.append(int(permutation[offset]))
+    return indices
+
+
 class DistillDataCollator:
     """Right-pads every sequence field of the examples to the longest one (`input_ids` with `pad_token_id`, the
     others with 0) and adds the `attention_mask`."""
@@ -270,6 +400,79 @@ class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
         return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))
 
 
+PRETRAINED_SCALE_KEY = "pretrained_learning_rate_scale"  # recorded in every param group, checked on resume
+
+
+def check_pretrained_body(drafter) -> None:
+    """Refuses `pretrained_learning_rate_scale` for a drafter with no pretrained body: the EAGLE-3 control (no
+    backbone at all), the scratch control (`osprey baseline scratch`: random blocks, found by the
+    `baseline_report.json` that `osprey baseline` writes beside its weights) and any drafter whose config records no
+    backbone (`backbone_model_type`, set by `osprey convert`)."""
+    config, baseline = drafter.config, None
+    directory = getattr(drafter, "name_or_path", None)
+    if directory and (Path(directory) / "baseline_report.json").is_file():
+        baseline = json.loads((Path(directory) / "baseline_report.json").read_text()).get("baseline")
+    if config.residual_stream == "features" or baseline == "eagle3":
+        raise ValueError(
+            "pretrained_learning_rate_scale lowers the learning rate of the weights a pretrained backbone supplied, "
+            "and this EAGLE-3 drafter has none (random body and head, the target's embedding): distill it without "
+            "--pretrained-learning-rate-scale."
+        )
+    if baseline == "scratch":
+        raise ValueError(
+            "pretrained_learning_rate_scale lowers the learning rate of the weights a pretrained backbone supplied, "
+            f"and {directory} is the scratch (body-random) control, whose blocks are random: training them slower "
+            "would only handicap the control. Distill it without --pretrained-learning-rate-scale (at learning_rate, "
+            "as the Osprey run's new weights train)."
+        )
+    if config.backbone_model_type is None:
+        raise ValueError(
+            "pretrained_learning_rate_scale lowers the learning rate of the weights a pretrained backbone supplied, "
+            "but this drafter's config records no backbone (backbone_model_type is None): it was not made by "
+            "`osprey convert`. Distill it without --pretrained-learning-rate-scale."
+        )
+
+
+def scale_pretrained_learning_rate(optimizer: torch.optim.Optimizer, drafter, scale: float) -> None:
+    """Makes the backbone's weights in `optimizer` train at `scale` times each group's learning rate, the weights
+    `osprey convert` added at the group's own.
+
+    Each param group is split in two, in order: the tensors convert added or that hold added columns (`model.fc`,
+    block 0's `hidden_norm` and q/k/v weights) keep the group's `lr`, every other tensor gets `lr * scale`; a
+    scheduler made afterwards scales each group's own initial rate. The token half of q/k/v (input columns
+    `hidden_size:`, the backbone's) shares a tensor with the added feature half, so a step pre-hook saves it and a
+    post-hook blends it back to `before + scale * (after - before)`: with AdamW (the default) or SGD the step, weight
+    decay included, is linear in the learning rate and the moments do not depend on it, so that is exactly the step
+    at `lr * scale`, each step."""
+    fusion = unwrap(drafter).model.layers[0]
+    hidden_size = unwrap(drafter).config.hidden_size
+    split = [fusion.self_attn.q_proj.weight, fusion.self_attn.k_proj.weight, fusion.self_attn.v_proj.weight]
+    added = {id(unwrap(drafter).model.fc.weight), id(fusion.hidden_norm.weight)} | {id(p) for p in split}
+    groups = []
+    for group in optimizer.param_groups:
+        settings = {key: value for key, value in group.items() if key != "params"}
+        new = [param for param in group["params"] if id(param) in added]
+        pretrained = [param for param in group["params"] if id(param) not in added]
+        for params, lr in ((new, settings["lr"]), (pretrained, settings["lr"] * scale)):
+            if params:
+                groups.append({**settings, "params": params, "lr": lr})
+    optimizer.param_groups = groups
+    before = []
+
+    def save_token_halves(optimizer, args, kwargs):
+        before[:] = [param.detach()[:, hidden_size:].clone() for param in split]
+
+    @torch.no_grad()
+    def blend_token_halves(optimizer, args, kwargs):
+        for param, old in zip(split, before, strict=True):
+            half = param.detach()[:, hidden_size:]
+            half.copy_(torch.lerp(old, half, scale))
+        before.clear()
+
+    optimizer.register_step_pre_hook(save_token_halves)
+    optimizer.register_step_post_hook(blend_token_halves)
+
+
 class OspreyDistillTrainer(Trainer):
     """A [`~transformers.Trainer`] distilling an [`OspreyForDrafting`] drafter against a frozen target by TTT.
 
@@ -277,6 +480,15 @@ class OspreyDistillTrainer(Trainer):
     pass a [`FeatureCacheDataset`] as `train_dataset` (and `eval_dataset`), then no target is needed. Datasets of text
     or chats are tokenized here (see `trainers.tokenization`); per-step losses and top-1 accuracies are logged as
     `ttt_loss_k` / `ttt_acc_k`.
+
+    With `lm_replay_weight > 0` every training micro-batch also reads a replay batch of `lm_replay_dataset` (or of the
+    `lm_replay_dataset` passed here: a `datasets.Dataset` of text, chats or `input_ids`) without target features and
+    adds `lm_replay_weight` times its next-token cross-entropy (`lm_replay_loss`), logged as `lm_replay_loss`. Replay
+    batch number `n = (global_step * gradient_accumulation_steps + micro_step) * num_processes + process_index` holds
+    the examples `replay_indices(n, ...)` gives, so a resumed run draws what the uninterrupted one drew.
+
+    With `pretrained_learning_rate_scale < 1` the optimizer's groups are split (`scale_pretrained_learning_rate`);
+    drafters without a pretrained body are refused (`check_pretrained_body`).
     """
 
     def __init__(
@@ -290,8 +502,17 @@ class OspreyDistillTrainer(Trainer):
         data_collator=None,
         callbacks=None,
         optimizers=(None, None),
+        lm_replay_dataset=None,
     ):
         args = args if args is not None else OspreyDistillConfig(output_dir="osprey-distill")
+        if args.pretrained_learning_rate_scale != 1:
+            check_pretrained_body(model)
+            if optimizers[0] is not None:
+                raise ValueError(
+                    "pretrained_learning_rate_scale splits the param groups of the optimizer the trainer creates: "
+                    "do not pass an optimizer, or give yours the scaled groups and leave the scale at 1."
+                )
+        replay = self._load_replay_dataset(args, lm_replay_dataset, processing_class)
         self.feature_cache = train_dataset if isinstance(train_dataset, FeatureCacheDataset) else None
         target_model = target_model if target_model is not None else args.target_model
         if self.feature_cache is None:
@@ -336,11 +557,101 @@ class OspreyDistillTrainer(Trainer):
             head = self.feature_cache.target_head().restricted(model.draft_to_target)
             self.target_head = head.to(self.args.device)
         self._metrics = {mode: {"sums": torch.zeros(3, args.ttt_steps), "batches": 0} for mode in ("train", "eval")}
+        self.lm_replay_dataset = replay
+        self._replay_metrics = {"sum": 0.0, "batches": 0}
+        self._replay_step, self._replay_micro_step = None, 0
+        if replay is not None:
+            self._target_to_draft = target_to_draft_ids(model.draft_to_target, model.config.vocab_size).to(
+                self.args.device
+            )
+            self._replay_collator = DistillDataCollator(pad_token_id)
 
-    def create_optimizer(self, *args, **kwargs):
-        optimizer = super().create_optimizer(*args, **kwargs)
+    @staticmethod
+    def _load_replay_dataset(args: OspreyDistillConfig, dataset, tokenizer):
+        """The tokenized replay corpus (`input_ids`, `loss_mask`), or None when replay is off."""
+        if dataset is None and args.lm_replay_dataset is not None:
+            name = args.lm_replay_dataset
+            splits = load_text_dataset(DatasetArguments(dataset_name=name))
+            if "train" not in splits:
+                raise ValueError(f"The LM replay corpus {name!r} has no 'train' split (it has {sorted(splits)}).")
+            dataset = splits["train"]
+        else:
+            name = "passed as lm_replay_dataset"
+        if dataset is None:
+            if args.lm_replay_weight > 0:
+                raise ValueError(
+                    f"lm_replay_weight={args.lm_replay_weight} needs a corpus to replay: pass --lm-replay-dataset "
+                    "(e.g. multilingual, built by `osprey data multilingual`), or set --lm-replay-weight 0."
+                )
+            return None
+        if args.lm_replay_weight == 0:
+            raise ValueError(
+                "An LM replay corpus was given but lm_replay_weight is 0, which turns the replay term off: probably a "
+                "mistake. Set --lm-replay-weight (e.g. 0.1), or pass no replay corpus."
+            )
+        if not isinstance(dataset, Dataset):
+            raise ValueError(
+                f"The LM replay corpus must be a `datasets.Dataset` (not streamed, replay draws by index), got "
+                f"{type(dataset).__name__}."
+            )
+        dataset = tokenize_dataset(
+            dataset,
+            tokenizer=tokenizer,
+            max_length=args.lm_replay_max_length,
+            text_field=args.dataset_text_field,
+            assistant_only_loss=False,  # language modelling: every token of a chat, as of a text
+        )
+        if len(dataset) == 0:
+            raise ValueError(
+                f"The LM replay corpus ({name}) is empty: no example has 3 tokens or more after tokenization. Build "
+                "it (`osprey data multilingual`) or point --lm-replay-dataset at a corpus with text."
+            )
+        return dataset
+
+    def _replay_batch(self) -> dict[str, torch.Tensor]:
+        """The replay batch of this micro-step: a pure function of the seed, `global_step` and the micro-step."""
+        if self.state.global_step != self._replay_step:
+            self._replay_step, self._replay_micro_step = self.state.global_step, 0
+        draws_per_step = self.args.gradient_accumulation_steps
+        draw = self._replay_step * draws_per_step + self._replay_micro_step
+        draw = draw * self.accelerator.num_processes + self.accelerator.process_index
+        self._replay_micro_step += 1
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        indices = replay_indices(draw, self.args.lm_replay_batch_size, len(self.lm_replay_dataset), seed)
+        rows = self.lm_replay_dataset[indices]
+        masks = rows.get("loss_mask") or [[1] * len(input_ids) for input_ids in rows["input_ids"]]
+        length = self.args.lm_replay_max_length  # also cuts a corpus given already tokenized
+        batch = self._replay_collator(
+            [
+                {"input_ids": input_ids[:length], "loss_mask": mask[:length]}
+                for input_ids, mask in zip(rows["input_ids"], masks, strict=True)
+            ]
+        )
+        return {key: value.to(self.args.device) for key, value in batch.items()}
+
+    def create_optimizer(self, model=None):
+        created = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        scale = self.args.pretrained_learning_rate_scale
+        if created and scale != 1:
+            scale_pretrained_learning_rate(optimizer, self.model if model is None else model, scale)
+            for group in optimizer.param_groups:
+                group[PRETRAINED_SCALE_KEY] = scale
+        if created:
+            optimizer.register_load_state_dict_pre_hook(self._check_resumed_scale)
         optimizer.register_load_state_dict_post_hook(states_in_parameter_layout)
         return optimizer
+
+    def _check_resumed_scale(self, optimizer, state_dict):
+        """A checkpoint's optimizer holds the param groups of its run's `pretrained_learning_rate_scale`."""
+        saved = {group.get(PRETRAINED_SCALE_KEY, 1.0) for group in state_dict["param_groups"]}
+        scale = self.args.pretrained_learning_rate_scale
+        if saved != {scale}:
+            raise ValueError(
+                f"The checkpoint was trained with pretrained_learning_rate_scale {', '.join(map(str, sorted(saved)))}, "
+                f"this run asks for {scale}: its optimizer state has that run's param groups. Resume with "
+                "the checkpoint's --pretrained-learning-rate-scale."
+            )
 
     def _build_accelerator_args(self, **kwargs):
         return compile_with_dynamic_shapes(super()._build_accelerator_args(**kwargs))
@@ -378,6 +689,7 @@ class OspreyDistillTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         drafter = self.accelerator.unwrap_model(model)
         features, target_logits, target_argmax = self._target_signals(inputs, drafter)
+        replay = self._replay_batch() if model.training and self.lm_replay_dataset is not None else None
         with loss_autocast(self, model):
             output = ttt_loss(
                 model,
@@ -390,11 +702,20 @@ class OspreyDistillTrainer(Trainer):
                 num_steps=self.args.ttt_steps,
                 decay=self.args.ttt_decay,
             )
+            loss = output.loss
+            if replay is not None:
+                replay_loss, _ = lm_replay_loss(
+                    model, replay["input_ids"], replay["attention_mask"], replay["loss_mask"], self._target_to_draft
+                )
+                loss = loss + self.args.lm_replay_weight * replay_loss
+                reduced = self.accelerator.reduce(replay_loss.detach().float(), reduction="sum")
+                self._replay_metrics["sum"] += reduced.item()
+                self._replay_metrics["batches"] += self.accelerator.num_processes
         stats = torch.stack([output.step_losses, output.step_correct.float(), output.step_counts.float()])
         metrics = self._metrics["train" if model.training else "eval"]
         metrics["sums"] += self.accelerator.reduce(stats, reduction="sum").cpu()
         metrics["batches"] += self.accelerator.num_processes
-        return (output.loss, output) if return_outputs else output.loss
+        return (loss, output) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -413,6 +734,9 @@ class OspreyDistillTrainer(Trainer):
                 logs[f"{prefix}ttt_acc_{step}"] = round(correct[step].item() / max(counts[step].item(), 1), 4)
             metrics["sums"].zero_()
             metrics["batches"] = 0
+        if mode == "train" and self._replay_metrics["batches"]:
+            logs["lm_replay_loss"] = round(self._replay_metrics["sum"] / self._replay_metrics["batches"], 4)
+            self._replay_metrics.update(sum=0.0, batches=0)
         super().log(logs, start_time)
 
 

@@ -104,6 +104,28 @@ def token_cross_entropy(
     return loss, correct.sum()
 
 
+def linear_token_cross_entropy(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.LongTensor,
+    ignore_index: int = -100,
+    compile: bool | None = None,
+    chunk_size: int = 256,
+    gemm_chunk_size: int = 512,
+) -> tuple[torch.Tensor, torch.LongTensor]:
+    """`token_cross_entropy(hidden_states @ weight.T, labels)` for an LM head without bias, its row function run over
+    the logits of `gemm_chunk_size` rows at a time as in `linear_soft_cross_entropy` (no `(N, V)` logits tensor, only
+    its gradient; the same dtypes and head layout)."""
+    labels = labels.masked_fill(labels == ignore_index, -1)
+    if compile is None:
+        compile = hidden_states.shape[0] * weight.shape[0] > COMPILE_ABOVE
+    function = _compiled(_token_rows) if compile else _token_rows
+    loss, correct = _FusedLinearCrossEntropy.apply(
+        hidden_states, weight, labels, None, function, chunk_size, gemm_chunk_size
+    )
+    return loss, correct.sum()
+
+
 def target_distribution(
     target_logits: torch.Tensor, mask: torch.BoolTensor | None = None, compile: bool | None = None
 ) -> torch.Tensor:

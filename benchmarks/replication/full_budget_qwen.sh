@@ -5,6 +5,7 @@
 # each distilled for TOKEN_PASSES (5 M) token-passes on the same features of the first EXAMPLES (4,800) regenerated
 # answers, in the same order with the same seed and settings (distill-qwen-full-budget.yaml).
 #
+#   full_budget_qwen.sh init                       # the three inits (also languages_qwen.sh's)
 #   full_budget_qwen.sh features                   # the feature cache (~1.5 h of 2 cores, ~20 GB; recomputable)
 #   full_budget_qwen.sh train osprey|scratch|eagle3  # chunks of distillation (~3.2 h each): rerun until it says done
 #   full_budget_qwen.sh curve osprey|scratch|eagle3  # tau of every learning-curve point not yet benched
@@ -65,12 +66,12 @@ source benchmarks/replication/stages.sh  # log, commit_results, features, train,
 mkdir -p "$OUT"
 
 usage() {
-  echo "usage: $0 features | train DRAFTER | curve DRAFTER | tune | bench | speed | all   (DRAFTER: osprey, scratch or eagle3)" >&2
+  echo "usage: $0 init | features | train DRAFTER | curve DRAFTER | tune | bench | speed | all   (DRAFTER: osprey, scratch or eagle3)" >&2
   exit 2
 }
 MODE=${1:-}
 case $MODE in
-  features|tune|bench|speed|all) [ $# -eq 1 ] || usage ;;
+  init|features|tune|bench|speed|all) [ $# -eq 1 ] || usage ;;
   train|curve) [ $# -eq 2 ] || usage; case $2 in osprey|scratch|eagle3) ;; *) usage ;; esac ;;
   *) usage ;;
 esac
@@ -177,6 +178,7 @@ speed() {  # the interim read of the speed goal (header): one run, drafting defa
 
 rc=0
 case $MODE in
+  init) for drafter in osprey scratch eagle3; do init $drafter || { rc=1; break; }; done ;;
   curve) curve "$2" ;;
   train) train "$2" || rc=$?; [ $rc -eq 3 ] && rc=0 ;;  # chunks ran out: rerun to continue
   tune) tune || rc=$? ;;

@@ -6,7 +6,8 @@ token and of a verification step.
     python benchmarks/replication/ratios.py benchmarks/results/replication-smollm2-135m-instruct.json
 
 Groups (issue 6): out of domain = Spec-Bench translation and math_reasoning, HumanEval, MMATH, and MT-Bench in
-languages other than English; non-English = MT-Bench and MMATH in other languages than English. τ of a group is the
+languages other than English; non-English = MT-Bench and MMATH in other languages than English, and the held-out
+`multilingual_chat` openings (issue 54). τ of a group is the
 mean over its requests (per-request τ, as everywhere in `osprey bench`). Only prompts that every method finished are
 compared, so a bench that was stopped early still compares like with like (the script says how many it left out).
 
@@ -64,7 +65,8 @@ def with_drafters_from(results: dict, other: dict) -> dict:
 def group_of(row: dict) -> set[str]:
     suite, category = row["suite"], row["category"]
     groups = {"overall"}
-    non_english = suite in ("mt_bench", "mmath") and category != "en"
+    # multilingual_chat: the held-out openings of the multilingual-chat corpus, all in languages other than English
+    non_english = (suite in ("mt_bench", "mmath") and category != "en") or suite == "multilingual_chat"
     if non_english:
         groups.add("non-English")
     if non_english or suite in ("humaneval", "mmath") or category in ("translation", "math_reasoning"):

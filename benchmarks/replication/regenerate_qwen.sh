@@ -7,19 +7,22 @@
 #   COMMIT=1 nohup benchmarks/replication/regenerate_qwen.sh > /work/runs/regen.log 2>&1 &
 #
 # TARGET, TRAIN_CONVERSATIONS (8,000) and BATCH_SIZE (48) may be set to answer for another target (transfer_smollm2.sh
-# does); the defaults are the Qwen answers'. The other settings are fixed: a resumed run with others is refused.
+# does), and DATASET (sharegpt) to answer another corpus's openings (languages_qwen.sh: multilingual-chat, built by
+# `osprey data multilingual-chat` if missing); the defaults are the Qwen answers'. The other settings are fixed: a
+# resumed run with others is refused.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-/work/runs}
 OSPREY=${OSPREY:-.venv/bin/osprey}
 TARGET=${TARGET:-qwen2.5-coder-1.5b-instruct}
 TRAIN_CONVERSATIONS=${TRAIN_CONVERSATIONS:-8000}
+DATASET=${DATASET:-sharegpt}
 BATCH_SIZE=${BATCH_SIZE:-48}
 CHUNK_MINUTES=${CHUNK_MINUTES:-45}
 THREADS=${THREADS:-1}
 COMMIT=${COMMIT:-0}
-OUT=$RUNS/regen/$TARGET
-PACKED=${PACKED:-benchmarks/checkpoints/regenerated-sharegpt-$TARGET}
+if [ "$DATASET" = sharegpt ]; then OUT=$RUNS/regen/$TARGET; else OUT=$RUNS/regen/$DATASET-$TARGET; fi
+PACKED=${PACKED:-benchmarks/checkpoints/regenerated-$DATASET-$TARGET}
 source benchmarks/replication/stages.sh  # log, restore_answers
 mkdir -p "$OUT" "$PACKED"
 
@@ -28,7 +31,7 @@ restore_answers "$PACKED" "$OUT"
 
 # 2. One chunk of answering (the same settings as the committed answers, or the manifest check refuses).
 log "regenerate for at most $CHUNK_MINUTES min"
-timeout --signal=INT "${CHUNK_MINUTES}m" $OSPREY regenerate --target $TARGET --dataset-name sharegpt --output "$OUT" \
+timeout --signal=INT "${CHUNK_MINUTES}m" $OSPREY regenerate --target $TARGET --dataset-name "$DATASET" --output "$OUT" \
   --splits test train --max-test-conversations 48 --max-train-conversations "$TRAIN_CONVERSATIONS" \
   --batch-size "$BATCH_SIZE" --max-new-tokens 256 --max-prompt-tokens 384 --threads "$THREADS" \
   || log "chunk ended (exit $?)"
@@ -51,7 +54,7 @@ PY
   local counts; counts=$(for f in "$PACKED"/*.jsonl.gz; do echo -n "$(basename "$f" .jsonl.gz) $(gunzip -c "$f" | wc -l) "; done)
   log "packed: $counts"
   if [ "$COMMIT" = 1 ]; then
-    git add "$PACKED" && git commit -q -m "Regenerated ShareGPT answers of $TARGET: $counts" -- "$PACKED" || true
+    git add "$PACKED" && git commit -q -m "Regenerated $DATASET answers of $TARGET: $counts" -- "$PACKED" || true
   fi
 }
 pack

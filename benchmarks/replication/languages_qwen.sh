@@ -1,0 +1,192 @@
+#!/usr/bin/env bash
+# Issue 54, item 2: an adaptation that keeps the stage-2 backbone's languages, on Qwen2.5-Coder-1.5B-Instruct.
+# Distillation on the target's ShareGPT answers (99.3% Latin script, almost all English) takes the converted
+# backbone's tau on Arabic and Japanese from 1.15 / 1.27 to 1.00. Each candidate here is distilled from the same init
+# as the full-budget run (full_budget_qwen.sh init: the stage-2 backbone converted with the shipped draft vocabulary,
+# and the two controls built like it), for TOKEN_PASSES (1.25 M) token-passes with the full budget's settings
+# (distill-qwen-full-budget.yaml), and measured on held-out openings in 28 languages that no run trains on
+# (`osprey bench --prompts multilingual_chat`: the test split of `osprey data multilingual-chat`, never the bench's
+# MT-Bench or MMATH) and on the curve's English 25-prompt subset. Resumable across machines like full_budget_qwen.sh.
+#
+#   languages_qwen.sh answers          # the target's answers to multilingual-chat openings, one chunk: rerun until done
+#   languages_qwen.sh data             # the two distillation sets (en, mixed) from the committed answers
+#   languages_qwen.sh features DATA    # the target's features of a set (en or mixed)
+#   languages_qwen.sh train VARIANT    # chunks of distillation, then its held-out taus: rerun until it says done
+#   languages_qwen.sh evaluate VARIANT # held-out taus of each kept point and the final drafter not yet measured
+#   languages_qwen.sh reference        # the same taus of the converted init and of the shipped full-budget drafter
+#   languages_qwen.sh table            # tau per language group of everything measured -> RESULTS-table.md
+#
+# VARIANT is [scratch-|eagle3-]DATA[-replay][-slow]:
+# - DATA `en`: the first EXAMPLES (2,600) ShareGPT answers (regenerate_qwen.sh's, committed), what every drafter so
+#   far distilled on; `mixed`: the first EXAMPLES/2 of them and the first EXAMPLES/2 answers to multilingual-chat
+#   openings (latin 64%, cyrillic 12%, CJK 17%, other scripts 7% of the openings), written by the target itself.
+# - `-replay`: `--lm-replay-dataset multilingual --lm-replay-weight REPLAY_WEIGHT` (0.25): every step also trains the
+#   drafter, read without target features (where it computes the backbone), on a batch of the stage-2 corpus.
+# - `-slow`: `--pretrained-learning-rate-scale SLOW_SCALE` (0.25): the backbone's weights learn at a quarter of the
+#   rate of the weights convert added (fc, the feature half of the fusion block's q/k/v); refused for the controls.
+# - `scratch-` / `eagle3-`: the body-random and EAGLE-3 controls, on the same data and steps.
+# The candidates are en, mixed, mixed-replay and mixed-slow; the controls then get the winner's data and terms.
+#
+# Products: answers in benchmarks/checkpoints/regenerated-multilingual-chat-TARGET; each run's checkpoints packed
+# (int4 changes against its init, 3-bit for EAGLE-3) in benchmarks/checkpoints/languages-TARGET/VARIANT; taus in
+# benchmarks/results/languages-TARGET-{multilingual,english}.json, one method per VARIANT-stepN; COMMIT=1 commits them.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+RUNS=${RUNS:-/work/runs}
+OSPREY=${OSPREY:-.venv/bin/osprey}
+PYTHON=${PYTHON:-.venv/bin/python}
+TARGET=qwen2.5-coder-1.5b-instruct
+SHIPPED=osprey/demo_drafter_qwen
+INITS=$RUNS/full-budget  # full_budget_qwen.sh init writes osprey-init, scratch-init and eagle3-init there
+EN_ANSWERS=benchmarks/checkpoints/regenerated-sharegpt-$TARGET
+ML_ANSWERS=benchmarks/checkpoints/regenerated-multilingual-chat-$TARGET
+CONFIG=benchmarks/replication/distill-qwen-full-budget.yaml
+EXAMPLES=${EXAMPLES:-2600}
+TOKEN_PASSES=${TOKEN_PASSES:-1250000}
+REPLAY_WEIGHT=${REPLAY_WEIGHT:-0.25}
+SLOW_SCALE=${SLOW_SCALE:-0.25}
+OUT=$RUNS/languages-$TARGET
+PACKED=${PACKED:-benchmarks/checkpoints/languages-$TARGET}
+RESULTS=benchmarks/results/languages-$TARGET
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+export TAU_TARGET=$TARGET
+source benchmarks/replication/stages.sh  # log, restore_answers, commit_results, budget_plan, train_in_chunks, tau_subset
+mkdir -p "$OUT"
+
+usage() {
+  echo "usage: $0 answers | data | features en|mixed | train VARIANT | evaluate VARIANT | reference | table" >&2
+  echo "  VARIANT: [scratch-|eagle3-](en|mixed)[-replay][-slow]" >&2
+  exit 2
+}
+MODE=${1:-}
+case $MODE in
+  answers|data|reference|table) [ $# -eq 1 ] || usage ;;
+  features) [ $# -eq 2 ] && [[ $2 =~ ^(en|mixed)$ ]] || usage ;;
+  train|evaluate) [ $# -eq 2 ] && [[ $2 =~ ^((scratch|eagle3)-)?(en|mixed)(-replay)?(-slow)?$ ]] || usage ;;
+  *) usage ;;
+esac
+
+answers() {  # one chunk of the target's answers to multilingual-chat openings (EXAMPLES/2 training, 48 held out)
+  DATASET=multilingual-chat TARGET=$TARGET PACKED=$ML_ANSWERS TRAIN_CONVERSATIONS=$((EXAMPLES / 2)) \
+    THREADS=${THREADS:-2} BATCH_SIZE=${BATCH_SIZE:-48} benchmarks/replication/regenerate_qwen.sh || return 1
+  local have; have=$(gunzip -c "$ML_ANSWERS/train.jsonl.gz" | wc -l)
+  if [ "$have" -ge $((EXAMPLES / 2)) ]; then log "done: $have answers in $ML_ANSWERS"; else log "$have of $((EXAMPLES / 2)): rerun"; fi
+}
+
+data() {  # data-en and data-mixed (train.jsonl, test.jsonl), rebuilt the same way from the committed answers
+  [ -f "$OUT/data-mixed/train.jsonl" ] && [ -f "$OUT/data-en/train.jsonl" ] && return
+  restore_answers "$EN_ANSWERS" "$OUT/answers-en"
+  restore_answers "$ML_ANSWERS" "$OUT/answers-multilingual"
+  $PYTHON - "$OUT" "$EXAMPLES" <<'PY' || { log "not enough answers: run $0 answers (and regenerate_qwen.sh)"; return 1; }
+import json, pathlib, sys
+out, examples = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+def lines(name, split):
+    return (out / f"answers-{name}" / f"{split}.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+en, ml = lines("en", "train"), lines("multilingual", "train")
+if len(en) < examples or len(ml) < examples // 2:
+    sys.exit(f"{len(en)} English and {len(ml)} multilingual answers; {examples} and {examples // 2} are needed")
+sets = {
+    "en": (en[:examples], lines("en", "test")),
+    # first half English, second half multilingual: the trainer's length-grouped sampler shuffles them together
+    "mixed": (en[: examples // 2] + ml[: examples // 2], lines("en", "test") + lines("multilingual", "test")),
+}
+for name, (train, test) in sets.items():
+    folder = out / f"data-{name}"
+    folder.mkdir(exist_ok=True)
+    for split, rows in (("test", test), ("train", train)):  # train last: its presence marks a complete set
+        (folder / f"{split}.jsonl.partial").write_text("".join(rows), encoding="utf-8")
+        (folder / f"{split}.jsonl.partial").rename(folder / f"{split}.jsonl")
+    print(f"data-{name}: {len(train)} train, {len(test)} test conversations")
+PY
+}
+
+features() {  # features DATA: the target's features of a set, in $OUT/features-DATA
+  [ -f "$OUT/features-$1/feature_cache.json" ] && return
+  data || return 1
+  log "features of data-$1 -> $OUT/features-$1 (resumes after its last complete shard)"
+  $OSPREY features --target $TARGET --dataset-name "$OUT/data-$1" --max-length 640 --batch-size 4 \
+    --target-dtype bfloat16 --max-examples "$EXAMPLES" --shard-size-mb 512 --output "$OUT/features-$1" || return 1
+}
+
+parse() {  # parse VARIANT: sets KIND (osprey|scratch|eagle3), DATA and ARGS
+  local rest=$1
+  KIND=osprey ARGS=()
+  case $rest in scratch-*|eagle3-*) KIND=${rest%%-*}; rest=${rest#*-} ;; esac
+  DATA=${rest%%-*}
+  [[ $rest == *-replay* ]] && ARGS+=(--lm-replay-dataset multilingual --lm-replay-weight "$REPLAY_WEIGHT")
+  [[ $rest == *-slow* ]] && ARGS+=(--pretrained-learning-rate-scale "$SLOW_SCALE")
+  return 0
+}
+
+train() {  # train VARIANT: 0 when trained, 3 when its chunks ran out (rerun), 1 on failure
+  local steps keep rc=0 bits=4
+  parse "$1"
+  [ -f "$INITS/$KIND-init/model.safetensors" ] || RUNS=$RUNS benchmarks/replication/full_budget_qwen.sh init || return 1
+  features "$DATA" || return 1
+  read -r steps keep <<< "$(budget_plan "$OUT/features-$DATA/feature_cache.json" "$TOKEN_PASSES" "$CONFIG")"
+  [ -n "$keep" ] || { log "could not read the budget from $OUT/features-$DATA/feature_cache.json"; return 1; }
+  log "$1: $steps steps ($TOKEN_PASSES token-passes of data-$DATA), curve points at steps $keep and $steps"
+  [ "$KIND" = eagle3 ] && bits=3  # as full_budget_qwen.sh: a 4-bit EAGLE-3 pack would pass 50 MB
+  PACK_ARGS=(--reference "$INITS/$KIND-init" --delta-bits $bits)
+  train_in_chunks "$OUT/$1" "$PACKED/$1" $OSPREY distill --config "$CONFIG" --feature-cache "$OUT/features-$DATA" \
+    --drafter "$INITS/$KIND-init" --output "$OUT/$1" --max-steps "$steps" --keep-steps $keep "${ARGS[@]}" || rc=$?
+  evaluate "$1" || return 1
+  return $rc
+}
+
+measure() {  # measure NAME DIR: NAME's greedy tau on the held-out multilingual openings and the English subset
+  $OSPREY bench --target $TARGET --drafter "$1=$2" --baselines "" --prompts multilingual_chat --per-category 5 \
+    --max-new-tokens 48 --dtype bfloat16 --output "$RESULTS-multilingual.json" || return 1
+  tau_subset "$RESULTS-english.json" --drafter "$1=$2" || return 1
+  commit_results "Issue 54 languages ($TARGET): held-out taus of $1" "$RESULTS"-multilingual.* "$RESULTS"-english.*
+}
+
+evaluate() {  # evaluate VARIANT: each kept point and the final drafter (trained here or unpacked) not measured yet
+  local kept
+  if [ ! -f "$OUT/$1/model.safetensors" ] && [ -f "$PACKED/$1/final/osprey_pack.json" ]; then
+    parse "$1"  # the pack holds changes against the init: rebuild it first
+    [ -f "$INITS/$KIND-init/model.safetensors" ] || RUNS=$RUNS benchmarks/replication/full_budget_qwen.sh init || return 1
+    $OSPREY unpack --checkpoint "$PACKED/$1/final" --output "$OUT/$1" || return 1
+  fi
+  for kept in "$OUT/$1/kept"/step-* "$OUT/$1"; do
+    [ -f "$kept/model.safetensors" ] || continue
+    measure "$1-step$(step_of "$kept")" "$kept" || return 1
+  done
+}
+
+reference() {  # what distillation starts from and what the full budget on English answers made of it
+  [ -f "$INITS/osprey-init/model.safetensors" ] || RUNS=$RUNS benchmarks/replication/full_budget_qwen.sh init || return 1
+  measure converted "$INITS/osprey-init" && measure shipped-full-budget "$SHIPPED"
+}
+
+table() {  # tau per language group (and English) of every method measured -> RESULTS-table.md
+  $PYTHON - "$RESULTS-multilingual.json" "$RESULTS-english.json" > "$RESULTS-table.md" <<'PY' || return 1
+import json, statistics, sys
+groups = ("latin", "cyrillic", "cjk", "other-scripts")
+taus = {}
+for path, suite_group in ((sys.argv[1], None), (sys.argv[2], "English subset")):
+    for row in json.load(open(path))["requests"]:
+        if row["tau"] is not None:
+            taus.setdefault(row["method"], {}).setdefault(suite_group or row["category"], []).append(row["tau"])
+columns = [*groups, "all non-English", "English subset"]
+print("| method | " + " | ".join(columns) + " |\n|---|" + "---:|" * len(columns))
+for method, by_group in taus.items():
+    by_group["all non-English"] = [tau for group in groups for tau in by_group.get(group, [])]
+    cells = [f"{statistics.mean(by_group[c]):.2f} ({len(by_group[c])})" if by_group.get(c) else "" for c in columns]
+    print(f"| {method} | " + " | ".join(cells) + " |")
+PY
+  cat "$RESULTS-table.md"
+  commit_results "Issue 54 languages ($TARGET): the table" "$RESULTS-table.md"
+}
+
+rc=0
+case $MODE in
+  answers) answers || rc=$? ;;
+  data) data || rc=$? ;;
+  features) features "$2" && log "done: $OUT/features-$2" || rc=$? ;;
+  train) train "$2" || rc=$?; [ $rc -eq 3 ] && { log "rerun to continue"; rc=0; } ;;
+  evaluate) evaluate "$2" || rc=$? ;;
+  reference) reference || rc=$? ;;
+  table) table || rc=$? ;;
+esac
+exit $rc
