@@ -12,14 +12,19 @@
 #   languages_qwen.sh data             # the two distillation sets (en, mixed) from the committed answers
 #   languages_qwen.sh features DATA    # the target's features of a set (en or mixed)
 #   languages_qwen.sh train VARIANT    # chunks of distillation, then its held-out taus: rerun until it says done
+#   languages_qwen.sh init VARIANT     # its init alone
 #   languages_qwen.sh evaluate VARIANT # held-out taus of each kept point and the final drafter not yet measured
 #   languages_qwen.sh reference        # the same taus of the converted init and of the shipped full-budget drafter
 #   languages_qwen.sh table            # tau per language group of everything measured -> RESULTS-table.md
 #
-# VARIANT is [scratch-|eagle3-]DATA[-replay][-slow]:
+# VARIANT is [scratch-|eagle3-]DATA[-vocab][-replay][-slow]:
 # - DATA `en`: the first EXAMPLES (2,600) ShareGPT answers (regenerate_qwen.sh's, committed), what every drafter so
 #   far distilled on; `mixed`: the first EXAMPLES/2 of them and the first EXAMPLES/2 answers to multilingual-chat
 #   openings (latin 64%, cyrillic 12%, CJK 17%, other scripts 7% of the openings), written by the target itself.
+# - `-vocab`: the init converted with a draft vocabulary of the same size (32,000) counted on the mixed training
+#   conversations instead of the shipped one (counted on ShareGPT): that one covers 88% of the Qwen tokens of the
+#   multilingual-chat openings in Latin script, 87% in Cyrillic, 76% in CJK and 91% in other scripts, and a chain ends
+#   at every token outside it. The controls take it with `osprey baseline --like`.
 # - `-replay`: `--lm-replay-dataset multilingual --lm-replay-weight REPLAY_WEIGHT` (0.25): every step also trains the
 #   drafter, read without target features (where it computes the backbone), on a batch of the stage-2 corpus.
 # - `-slow`: `--pretrained-learning-rate-scale SLOW_SCALE` (0.25): the backbone's weights learn at a quarter of the
@@ -54,15 +59,16 @@ source benchmarks/replication/stages.sh  # log, restore_answers, commit_results,
 mkdir -p "$OUT"
 
 usage() {
-  echo "usage: $0 answers | data | features en|mixed | train VARIANT | evaluate VARIANT | reference | table" >&2
-  echo "  VARIANT: [scratch-|eagle3-](en|mixed)[-replay][-slow]" >&2
+  echo "usage: $0 answers | data | features en|mixed | init VARIANT | train VARIANT | evaluate VARIANT | reference |" \
+    "table" >&2
+  echo "  VARIANT: [scratch-|eagle3-](en|mixed)[-vocab][-replay][-slow]" >&2
   exit 2
 }
 MODE=${1:-}
 case $MODE in
   answers|data|reference|table) [ $# -eq 1 ] || usage ;;
   features) [ $# -eq 2 ] && [[ $2 =~ ^(en|mixed)$ ]] || usage ;;
-  train|evaluate) [ $# -eq 2 ] && [[ $2 =~ ^((scratch|eagle3)-)?(en|mixed)(-replay)?(-slow)?$ ]] || usage ;;
+  init|train|evaluate) [ $# -eq 2 ] && [[ $2 =~ ^((scratch|eagle3)-)?(en|mixed)(-vocab)?(-replay)?(-slow)?$ ]] || usage ;;
   *) usage ;;
 esac
 
@@ -108,28 +114,50 @@ features() {  # features DATA: the target's features of a set, in $OUT/features-
     --target-dtype bfloat16 --max-examples "$EXAMPLES" --shard-size-mb 512 --output "$OUT/features-$1" || return 1
 }
 
-parse() {  # parse VARIANT: sets KIND (osprey|scratch|eagle3), DATA and ARGS
+parse() {  # parse VARIANT: sets KIND (osprey|scratch|eagle3), DATA, INIT (its init's folder) and ARGS
   local rest=$1
   KIND=osprey ARGS=()
   case $rest in scratch-*|eagle3-*) KIND=${rest%%-*}; rest=${rest#*-} ;; esac
   DATA=${rest%%-*}
+  INIT=$INITS/$KIND-init
+  [[ $rest == *-vocab* ]] && INIT=$OUT/$KIND-vocab-init
   [[ $rest == *-replay* ]] && ARGS+=(--lm-replay-dataset multilingual --lm-replay-weight "$REPLAY_WEIGHT")
   [[ $rest == *-slow* ]] && ARGS+=(--pretrained-learning-rate-scale "$SLOW_SCALE")
   return 0
 }
 
-train() {  # train VARIANT: 0 when trained, 3 when its chunks ran out (rerun), 1 on failure
-  local steps keep rc=0 bits=4
+init() {  # init VARIANT: its init, rebuilt the same way on every machine
   parse "$1"
   [ -f "$INITS/$KIND-init/model.safetensors" ] || RUNS=$RUNS benchmarks/replication/full_budget_qwen.sh init || return 1
+  [ -f "$INIT/model.safetensors" ] && return
+  if [ "$KIND" != osprey ]; then  # a control is built like the Osprey init of its vocabulary
+    init "${1#*-}" && parse "$1" && $OSPREY baseline "$KIND" --like "$OUT/osprey-vocab-init" --output "$INIT"
+    return
+  fi
+  data || return 1
+  $PYTHON - "$OUT/data-mixed/train.jsonl" "$OUT/mixed-text.txt" <<'PY' || return 1
+import json, sys
+with open(sys.argv[2], "w", encoding="utf-8") as out:  # the conversations' text, as sharegpt_text writes ShareGPT's
+    for line in open(sys.argv[1], encoding="utf-8"):
+        out.write("\n".join(message["content"] for message in json.loads(line)["messages"]) + "\n")
+PY
+  log "convert $INITS/backbone for $TARGET with a draft vocabulary counted on data-mixed -> $INIT"
+  $OSPREY convert --backbone "$INITS/backbone" --target $TARGET --draft-vocab-size 32000 \
+    --draft-vocab-corpus "$OUT/mixed-text.txt" --output "$INIT"
+}
+
+train() {  # train VARIANT: 0 when trained, 3 when its chunks ran out (rerun), 1 on failure
+  local steps keep rc=0 bits=4
+  init "$1" || return 1
+  parse "$1"
   features "$DATA" || return 1
   read -r steps keep <<< "$(budget_plan "$OUT/features-$DATA/feature_cache.json" "$TOKEN_PASSES" "$CONFIG")"
   [ -n "$keep" ] || { log "could not read the budget from $OUT/features-$DATA/feature_cache.json"; return 1; }
   log "$1: $steps steps ($TOKEN_PASSES token-passes of data-$DATA), curve points at steps $keep and $steps"
   [ "$KIND" = eagle3 ] && bits=3  # as full_budget_qwen.sh: a 4-bit EAGLE-3 pack would pass 50 MB
-  PACK_ARGS=(--reference "$INITS/$KIND-init" --delta-bits $bits)
+  PACK_ARGS=(--reference "$INIT" --delta-bits $bits)
   train_in_chunks "$OUT/$1" "$PACKED/$1" $OSPREY distill --config "$CONFIG" --feature-cache "$OUT/features-$DATA" \
-    --drafter "$INITS/$KIND-init" --output "$OUT/$1" --max-steps "$steps" --keep-steps $keep "${ARGS[@]}" || rc=$?
+    --drafter "$INIT" --output "$OUT/$1" --max-steps "$steps" --keep-steps $keep "${ARGS[@]}" || rc=$?
   evaluate "$1" || return 1
   return $rc
 }
@@ -144,8 +172,7 @@ measure() {  # measure NAME DIR: NAME's greedy tau on the held-out multilingual 
 evaluate() {  # evaluate VARIANT: each kept point and the final drafter (trained here or unpacked) not measured yet
   local kept
   if [ ! -f "$OUT/$1/model.safetensors" ] && [ -f "$PACKED/$1/final/osprey_pack.json" ]; then
-    parse "$1"  # the pack holds changes against the init: rebuild it first
-    [ -f "$INITS/$KIND-init/model.safetensors" ] || RUNS=$RUNS benchmarks/replication/full_budget_qwen.sh init || return 1
+    init "$1" || return 1  # the pack holds changes against the init: rebuild it first
     $OSPREY unpack --checkpoint "$PACKED/$1/final" --output "$OUT/$1" || return 1
   fi
   for kept in "$OUT/$1/kept"/step-* "$OUT/$1"; do
@@ -183,6 +210,7 @@ rc=0
 case $MODE in
   answers) answers || rc=$? ;;
   data) data || rc=$? ;;
+  init) init "$2" || rc=$? ;;
   features) features "$2" && log "done: $OUT/features-$2" || rc=$? ;;
   train) train "$2" || rc=$?; [ $rc -eq 3 ] && { log "rerun to continue"; rc=0; } ;;
   evaluate) evaluate "$2" || rc=$? ;;
