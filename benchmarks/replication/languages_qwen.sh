@@ -30,7 +30,9 @@
 # - `-slow`: `--pretrained-learning-rate-scale SLOW_SCALE` (0.25): the backbone's weights learn at a quarter of the
 #   rate of the weights convert added (fc, the feature half of the fusion block's q/k/v); refused for the controls.
 # - `scratch-` / `eagle3-`: the body-random and EAGLE-3 controls, on the same data and steps.
-# The candidates are en, mixed, mixed-replay and mixed-slow; the controls then get the winner's data and terms.
+# The candidates are en, mixed, mixed-vocab, mixed-replay and mixed-slow, screened at a quarter of the budget
+# (TOKEN_PASSES=312500: runs and methods named VARIANT-312k); the winner then runs at the full budget, and the
+# controls with the winner's data, vocabulary and replay.
 #
 # Products: answers in benchmarks/checkpoints/regenerated-multilingual-chat-TARGET; each run's checkpoints packed
 # (int4 changes against its init, 3-bit for EAGLE-3) in benchmarks/checkpoints/languages-TARGET/VARIANT; taus in
@@ -114,6 +116,10 @@ features() {  # features DATA: the target's features of a set, in $OUT/features-
     --target-dtype bfloat16 --max-examples "$EXAMPLES" --shard-size-mb 512 --output "$OUT/features-$1" || return 1
 }
 
+run_name() {  # run_name VARIANT: VARIANT at the full budget, VARIANT-312k (its thousands of token-passes) below it
+  if [ "$TOKEN_PASSES" = 1250000 ]; then echo "$1"; else echo "$1-$((TOKEN_PASSES / 1000))k"; fi
+}
+
 parse() {  # parse VARIANT: sets KIND (osprey|scratch|eagle3), DATA, INIT (its init's folder) and ARGS
   local rest=$1
   KIND=osprey ARGS=()
@@ -153,11 +159,14 @@ train() {  # train VARIANT: 0 when trained, 3 when its chunks ran out (rerun), 1
   features "$DATA" || return 1
   read -r steps keep <<< "$(budget_plan "$OUT/features-$DATA/feature_cache.json" "$TOKEN_PASSES" "$CONFIG")"
   [ -n "$keep" ] || { log "could not read the budget from $OUT/features-$DATA/feature_cache.json"; return 1; }
-  log "$1: $steps steps ($TOKEN_PASSES token-passes of data-$DATA), curve points at steps $keep and $steps"
+  # a screening run (below the full budget) keeps no curve: only its final drafter is measured
+  [ "$TOKEN_PASSES" = 1250000 ] || keep=""
+  log "$1: $steps steps ($TOKEN_PASSES token-passes of data-$DATA), curve points at steps ${keep:-(none)} and $steps"
   [ "$KIND" = eagle3 ] && bits=3  # as full_budget_qwen.sh: a 4-bit EAGLE-3 pack would pass 50 MB
   PACK_ARGS=(--reference "$INIT" --delta-bits $bits)
-  train_in_chunks "$OUT/$1" "$PACKED/$1" $OSPREY distill --config "$CONFIG" --feature-cache "$OUT/features-$DATA" \
-    --drafter "$INIT" --output "$OUT/$1" --max-steps "$steps" --keep-steps $keep "${ARGS[@]}" || rc=$?
+  local run; run=$(run_name "$1")
+  train_in_chunks "$OUT/$run" "$PACKED/$run" $OSPREY distill --config "$CONFIG" --feature-cache "$OUT/features-$DATA" \
+    --drafter "$INIT" --output "$OUT/$run" --max-steps "$steps" ${keep:+--keep-steps $keep} "${ARGS[@]}" || rc=$?
   evaluate "$1" || return 1
   return $rc
 }
@@ -171,13 +180,14 @@ measure() {  # measure NAME DIR: NAME's greedy tau on the held-out multilingual 
 
 evaluate() {  # evaluate VARIANT: each kept point and the final drafter (trained here or unpacked) not measured yet
   local kept
-  if [ ! -f "$OUT/$1/model.safetensors" ] && [ -f "$PACKED/$1/final/osprey_pack.json" ]; then
+  local run; run=$(run_name "$1")
+  if [ ! -f "$OUT/$run/model.safetensors" ] && [ -f "$PACKED/$run/final/osprey_pack.json" ]; then
     init "$1" || return 1  # the pack holds changes against the init: rebuild it first
-    $OSPREY unpack --checkpoint "$PACKED/$1/final" --output "$OUT/$1" || return 1
+    $OSPREY unpack --checkpoint "$PACKED/$run/final" --output "$OUT/$run" || return 1
   fi
-  for kept in "$OUT/$1/kept"/step-* "$OUT/$1"; do
+  for kept in "$OUT/$run/kept"/step-* "$OUT/$run"; do
     [ -f "$kept/model.safetensors" ] || continue
-    measure "$1-step$(step_of "$kept")" "$kept" || return 1
+    measure "$run-step$(step_of "$kept")" "$kept" || return 1
   done
 }
 
