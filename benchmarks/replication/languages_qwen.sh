@@ -57,7 +57,7 @@ PACKED=${PACKED:-benchmarks/checkpoints/languages-$TARGET}
 RESULTS=benchmarks/results/languages-$TARGET
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 export TAU_TARGET=$TARGET
-source benchmarks/replication/stages.sh  # log, restore_answers, commit_results, budget_plan, train_in_chunks, tau_subset
+source benchmarks/replication/stages.sh  # log, answer_openings, answer_features, conversations_text, restore_answers, budget_plan, ...
 mkdir -p "$OUT"
 
 usage() {
@@ -73,13 +73,6 @@ case $MODE in
   init|train|evaluate) [ $# -eq 2 ] && [[ $2 =~ ^((scratch|eagle3)-)?(en|mixed)(-vocab)?(-replay)?(-slow)?$ ]] || usage ;;
   *) usage ;;
 esac
-
-answers() {  # one chunk of the target's answers to multilingual-chat openings (EXAMPLES/2 training, 48 held out)
-  DATASET=multilingual-chat TARGET=$TARGET PACKED=$ML_ANSWERS TRAIN_CONVERSATIONS=$((EXAMPLES / 2)) \
-    THREADS=${THREADS:-2} BATCH_SIZE=${BATCH_SIZE:-48} benchmarks/replication/regenerate_qwen.sh || return 1
-  local have; have=$(gunzip -c "$ML_ANSWERS/train.jsonl.gz" | wc -l)
-  if [ "$have" -ge $((EXAMPLES / 2)) ]; then log "done: $have answers in $ML_ANSWERS"; else log "$have of $((EXAMPLES / 2)): rerun"; fi
-}
 
 data() {  # data-en and data-mixed (train.jsonl, test.jsonl), rebuilt the same way from the committed answers
   [ -f "$OUT/data-mixed/train.jsonl" ] && [ -f "$OUT/data-en/train.jsonl" ] && return
@@ -111,9 +104,7 @@ PY
 features() {  # features DATA: the target's features of a set, in $OUT/features-DATA
   [ -f "$OUT/features-$1/feature_cache.json" ] && return
   data || return 1
-  log "features of data-$1 -> $OUT/features-$1 (resumes after its last complete shard)"
-  $OSPREY features --target $TARGET --dataset-name "$OUT/data-$1" --max-length 640 --batch-size 4 \
-    --target-dtype bfloat16 --max-examples "$EXAMPLES" --shard-size-mb 512 --output "$OUT/features-$1" || return 1
+  answer_features "$OUT/data-$1" "$EXAMPLES" "$OUT/features-$1"
 }
 
 run_name() {  # run_name VARIANT: VARIANT at the full budget, VARIANT-312k (its thousands of token-passes) below it
@@ -140,13 +131,7 @@ init() {  # init VARIANT: its init, rebuilt the same way on every machine
     init "${1#*-}" && parse "$1" && $OSPREY baseline "$KIND" --like "$OUT/osprey-vocab-init" --output "$INIT"
     return
   fi
-  data || return 1
-  $PYTHON - "$OUT/data-mixed/train.jsonl" "$OUT/mixed-text.txt" <<'PY' || return 1
-import json, sys
-with open(sys.argv[2], "w", encoding="utf-8") as out:  # the conversations' text, as sharegpt_text writes ShareGPT's
-    for line in open(sys.argv[1], encoding="utf-8"):
-        out.write("\n".join(message["content"] for message in json.loads(line)["messages"]) + "\n")
-PY
+  data && conversations_text "$OUT/data-mixed" "$OUT/mixed-text.txt" || return 1
   log "convert $INITS/backbone for $TARGET with a draft vocabulary counted on data-mixed -> $INIT"
   $OSPREY convert --backbone "$INITS/backbone" --target $TARGET --draft-vocab-size 32000 \
     --draft-vocab-corpus "$OUT/mixed-text.txt" --output "$INIT"
@@ -218,7 +203,7 @@ PY
 
 rc=0
 case $MODE in
-  answers) answers || rc=$? ;;
+  answers) answer_openings "$ML_ANSWERS" $((EXAMPLES / 2)) multilingual-chat || rc=$? ;;  # and 48 held out
   data) data || rc=$? ;;
   init) init "$2" || rc=$? ;;
   features) features "$2" && log "done: $OUT/features-$2" || rc=$? ;;

@@ -10,17 +10,20 @@ target_features() {  # target_features TARGET DIR: the target's taps over 1,000 
     --max_examples 1000 --batch_size 1 --target_dtype bfloat16 --shard_size_mb 256
 }
 
-sharegpt_text() {  # sharegpt_text FILE: the ShareGPT training conversations as text, the draft-vocabulary corpus
-  [ -f "$1" ] && return
-  log "draft-vocabulary corpus: the ShareGPT training conversations as text"
+conversations_text() {  # conversations_text DATASET FILE: the training conversations of DATASET (a corpus name or a
+  # folder of chats) as text, one message a line: a draft-vocabulary corpus
+  [ -f "$2" ] && return
+  log "draft-vocabulary corpus: the training conversations of $1 as text"
   .venv/bin/python -c "
 import sys; from trainers.data import DatasetArguments, load_text_dataset
-dataset = load_text_dataset(DatasetArguments(dataset_name='sharegpt'))['train']
-with open(sys.argv[1] + '.partial', 'w') as out:
+dataset = load_text_dataset(DatasetArguments(dataset_name=sys.argv[1]))['train']
+with open(sys.argv[2] + '.partial', 'w') as out:
     for messages in dataset['messages']:
         out.write('\n'.join(message['content'] for message in messages) + '\n')
-" "$1" && mv "$1.partial" "$1"
+" "$1" "$2" && mv "$2.partial" "$2"
 }
+
+sharegpt_text() { conversations_text sharegpt "$1"; }  # sharegpt_text FILE: ShareGPT's, the usual such corpus
 
 distill() {  # distill INIT OUTPUT FEATURES [ARGS...]: stage 4 on the replication's budget, logged to OUTPUT.log
   local init=$1 output=$2 features=$3 resume=()
@@ -154,6 +157,21 @@ commit_results() {  # commit_results MESSAGE FILE...: with COMMIT=1, results fil
   git add -- "$@" && { git diff --cached --quiet -- "$@" || git commit -q -m "$message" -- "$@"; }
 }
 
+answer_openings() {  # answer_openings PACKED COUNT [DATASET]: one chunk of TARGET's answers to the openings of
+  # DATASET (default sharegpt; regenerate_qwen.sh, COUNT training and 48 held-out), packed in PACKED; then the count
+  DATASET=${3:-sharegpt} TARGET=$TARGET PACKED=$1 TRAIN_CONVERSATIONS=$2 THREADS=${THREADS:-2} \
+    BATCH_SIZE=${BATCH_SIZE:-48} benchmarks/replication/regenerate_qwen.sh || return 1
+  local have; have=$(gunzip -c "$1/train.jsonl.gz" | wc -l)
+  if [ "$have" -ge "$2" ]; then log "done: $have answers in $1"; else log "$have of $2: rerun"; fi
+}
+
+answer_features() {  # answer_features DIR EXAMPLES OUTPUT: TARGET's bf16 features of the first EXAMPLES
+  # conversations of the chat folder DIR (sequences up to 640 tokens), resuming after OUTPUT's last complete shard
+  log "features of the first $2 conversations of $1 -> $3 (resumes after its last complete shard)"
+  $OSPREY features --target $TARGET --dataset-name "$1" --max-length 640 --batch-size 4 --target-dtype bfloat16 \
+    --max-examples "$2" --shard-size-mb 512 --output "$3"
+}
+
 features() {  # the target's features of the first EXAMPLES answers, in FEATURES
   [ -f "$FEATURES/feature_cache.json" ] && return
   restore_answers "$ANSWERS" "$OUT/answers"
@@ -161,9 +179,7 @@ features() {  # the target's features of the first EXAMPLES answers, in FEATURES
   if [ "$have" -lt "$EXAMPLES" ]; then
     log "only $have answers are committed in $ANSWERS, $EXAMPLES are needed: $ANSWERS_HINT"; return 1
   fi
-  log "features of the first $EXAMPLES answers -> $FEATURES (resumes after its last complete shard)"
-  $OSPREY features --target $TARGET --dataset-name "$OUT/answers" --max-length 640 --batch-size 4 \
-    --target-dtype bfloat16 --max-examples "$EXAMPLES" --shard-size-mb 512 --output "$FEATURES" || return 1
+  answer_features "$OUT/answers" "$EXAMPLES" "$FEATURES"
 }
 
 curve() {  # curve DRAFTER: tau of each kept point (and the final drafter) with no row yet in its results file

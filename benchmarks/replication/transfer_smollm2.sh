@@ -59,7 +59,7 @@ CURVE_RESULTS=benchmarks/results/transfer-$TARGET
 CURVE_TITLE="Transfer to $TARGET"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 export TAU_TARGET=$TARGET  # tau_subset's target
-source benchmarks/replication/stages.sh  # log, sharegpt_text, commit_results, features, train, curve, finished
+source benchmarks/replication/stages.sh  # log, sharegpt_text, answer_openings, commit_results, features, train, curve, finished
 mkdir -p "$OUT"
 
 usage() {
@@ -73,13 +73,6 @@ case $MODE in
   train|curve) [ $# -eq 2 ] || usage; case $2 in osprey|scratch|eagle3) ;; *) usage ;; esac ;;
   *) usage ;;
 esac
-
-answers() {  # one chunk of target-written answers, then the count
-  TARGET=$TARGET PACKED=$ANSWERS TRAIN_CONVERSATIONS=$EXAMPLES THREADS=${THREADS:-2} BATCH_SIZE=${BATCH_SIZE:-48} \
-    benchmarks/replication/regenerate_qwen.sh || return 1
-  local have; have=$(gunzip -c "$ANSWERS/train.jsonl.gz" | wc -l)
-  if [ "$have" -ge "$EXAMPLES" ]; then log "done: $have answers in $ANSWERS"; else log "$have of $EXAMPLES: rerun"; fi
-}
 
 init() {  # init [DRAFTER]: the inits, rebuilt the same way on every machine
   [ -f "$BACKBONE/model.safetensors" ] || $OSPREY unpack --checkpoint "$BACKBONE_PACK" --output "$BACKBONE" || return 1
@@ -120,7 +113,7 @@ bench() {  # the one bench (chains, and trees with --draft-topk 3), then the gro
 
 rc=0
 case $MODE in
-  answers) answers || rc=$? ;;
+  answers) answer_openings "$ANSWERS" "$EXAMPLES" || rc=$? ;;
   init)
     init || rc=$?
     [ $rc -ne 0 ] || $PYTHON -c 'import json, sys; r = json.load(open(sys.argv[1])); d = r["draft_vocab"]
