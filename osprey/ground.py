@@ -4,7 +4,8 @@
 - the one pip-wheel downloader (`download_wheels`), used by the zoo, the corpora and the prompt suites;
 - output folders: refusing to overwrite what a user saved (`require_empty_output_dir`), and the license notices that
   travel with every derived checkpoint (`is_notice`, `copy_notices`);
-- reading one tensor of a checkpoint without loading the model (`read_input_embedding`).
+- reading one tensor of a checkpoint without loading the model (`read_input_embedding`);
+- the script a letter is written in (`letter_script`), for the corpora's and the benchmarks' script counts.
 
 Model loading by zoo name, directory or Hub id is `osprey.zoo` (it builds on this module), and drafter loading is
 `osprey.pack.load_drafter`.
@@ -14,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 
 import torch
@@ -114,3 +116,9 @@ def read_input_embedding(model_dir: str | os.PathLike) -> torch.Tensor:
                 if name.endswith("embed_tokens.weight"):
                     return weights.get_tensor(name)
     raise ValueError(f"No `*embed_tokens.weight` tensor in the safetensors files of {model_dir}: is it a target LLM?")
+
+
+def letter_script(ch: str) -> str:
+    """The Unicode script of a letter, the first word of its character name (`LATIN`, `CJK`, `HANGUL`, `ARABIC`...);
+    ASCII letters are `LATIN`, letters without a name `UNKNOWN`."""
+    return "LATIN" if ch.isascii() else unicodedata.name(ch, "UNKNOWN").split()[0]

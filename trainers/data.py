@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import unicodedata
 import zipfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -38,7 +37,7 @@ from urllib.parse import unquote
 
 from datasets import Dataset, IterableDatasetDict, load_dataset, load_from_disk
 
-from osprey.ground import cache_root, download_wheel, eval_data_dir
+from osprey.ground import cache_root, download_wheel, eval_data_dir, letter_script
 
 CHUNK_CHARACTERS = 4000
 TEST_PER_MILLE = 10
@@ -1174,7 +1173,7 @@ def leading_paragraphs(text: str, max_characters: int) -> str:
 
 def _script_share(text: str, scripts: frozenset[str]) -> float:
     letters = [ch for ch in text if ch.isalpha()]
-    inside = sum(("LATIN" if ch.isascii() else unicodedata.name(ch, "?").split()[0]) in scripts for ch in letters)
+    inside = sum(letter_script(ch) in scripts for ch in letters)
     return inside / len(letters) if letters else 0.0
 
 

@@ -13,16 +13,15 @@ write them; `--limit N` counts their first N rows (the full-budget run distills 
 
 import argparse
 import collections
-import unicodedata
 
 from datasets import load_dataset
+
+from osprey.ground import letter_script
 
 
 def script_of(text: str) -> str:
     """The script most of TEXT's letters are written in, or `none` without letters."""
-    counts = collections.Counter(
-        "LATIN" if ch.isascii() else unicodedata.name(ch, "UNKNOWN").split()[0] for ch in text if ch.isalpha()
-    )
+    counts = collections.Counter(letter_script(ch) for ch in text if ch.isalpha())
     return counts.most_common(1)[0][0] if counts else "none"
 
 
