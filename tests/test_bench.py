@@ -459,7 +459,7 @@ def test_full_budget_sample_efficiency_reads_each_drafters_own_rows_and_only_fin
     report = {
         name: {
             "finished": run["global_step"] >= run["max_steps"],
-            "points": curves.curve(name, run, tmp_path, "t", token_passes=1000),
+            "points": curves.curve(name, run, tmp_path, "full-budget-t", token_passes=1000),
         }
         for name, run in runs.items()
     }

@@ -1,17 +1,19 @@
-"""The full-budget learning curves of Osprey and its controls (issue 17 §3) and the sample efficiency read off them:
+"""The learning curves of Osprey and its controls (issue 17 §3, issue 54) and the sample efficiency read off them:
 the share of each control's token-passes Osprey needs to reach the control's final held-out TTT accuracy and τ.
 
     python benchmarks/replication/full_budget_curves.py \
         --output benchmarks/results/full-budget-qwen2.5-coder-1.5b-instruct-curves
+    python benchmarks/replication/full_budget_curves.py --run transfer --target smollm2-135m-instruct \
+        --output benchmarks/results/transfer-smollm2-135m-instruct-curves
 
-Everything is read from what `full_budget_qwen.sh` commits, so a fresh machine gets the same tables: held-out TTT
-accuracy (48 held-out conversations) at each kept step from the training record packed with each drafter
-(`benchmarks/checkpoints/full-budget-TARGET/DRAFTER/final/trainer_state.json`, or the resume pack's while a run is
-unfinished), and τ per group of prompts (`ratios.py`'s groups) from the fixed 25-prompt benches of each kept step
-(`benchmarks/results/full-budget-TARGET-stepN.json`). Every drafter sees the same batches of the same data, so token-
-passes are the budget's share of its steps (5 M token-passes over 5,024 steps). A control's value is read at its last
-point only once its run has finished; Osprey's token-passes to reach it are interpolated linearly between Osprey's
-points (`qwen_curves.reaching`).
+Everything is read from what the driver (`full_budget_qwen.sh`, `transfer_smollm2.sh`) commits, so a fresh machine
+gets the same tables: held-out TTT accuracy (48 held-out conversations) at each kept step from the training record
+packed with each drafter (`benchmarks/checkpoints/RUN-TARGET/DRAFTER/final/trainer_state.json`, or the resume pack's
+while a run is unfinished), and τ per group of prompts (`ratios.py`'s groups) from the fixed 25-prompt benches of
+each kept step (`benchmarks/results/RUN-TARGET-stepN.json`). Every drafter sees the same batches of the same data, so
+token-passes are the budget's share of its steps (full budget: 5 M token-passes over 5,024 steps). A control's value
+is read at its last point only once its run has finished; Osprey's token-passes to reach it are interpolated linearly
+between Osprey's points (`qwen_curves.reaching`).
 """
 
 import argparse
@@ -40,7 +42,7 @@ def training_record(packed: Path) -> dict | None:
     return None
 
 
-def curve(drafter: str, record: dict, results: Path, target: str, token_passes: int) -> list[dict]:
+def curve(drafter: str, record: dict, results: Path, run: str, token_passes: int) -> list[dict]:
     """One point per evaluation in the record, with the τ of that step's bench where it exists."""
     points = []
     for entry in record["log_history"]:
@@ -53,7 +55,7 @@ def curve(drafter: str, record: dict, results: Path, target: str, token_passes: 
             "heldout_ttt_acc_0": entry["eval_ttt_acc_0"],
             "heldout_ttt_acc_4": entry["eval_ttt_acc_4"],
         }
-        bench = results / f"full-budget-{target}-step{step}.json"
+        bench = results / f"{run}-step{step}.json"
         if bench.is_file():
             table = ratios(json.loads(bench.read_text())["requests"], drafter=drafter, controls=())
             point |= {f"tau {group}": round(table[group]["tau"][drafter], 4) for group in GROUPS if group in table}
@@ -81,7 +83,8 @@ def sample_efficiency(curves: dict[str, dict]) -> dict:
 
 def markdown(report: dict) -> str:
     lines = [
-        f"Full-budget learning curves, target `{report['target']}` (`benchmarks/replication/full_budget_curves.py`).",
+        f"Learning curves of `{report['run']}`, target `{report['target']}` "
+        "(`benchmarks/replication/full_budget_curves.py`).",
         "",
         "| drafter | step | token-passes | held-out acc_0 | held-out acc_4 | "
         + " | ".join(f"τ {group}" for group in GROUPS)
@@ -127,7 +130,7 @@ def plot(report: dict, path: Path) -> None:
         axes.set_xlabel("distillation token-passes (M)")
         axes.set_ylabel(label)
         axes.legend()
-    figure.suptitle(f"Full-budget learning curves, {report['target']}")
+    figure.suptitle(f"Learning curves of {report['run']}, {report['target']}")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -135,22 +138,29 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", choices=("full-budget", "transfer"), default="full-budget", help="the driver's runs")
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--token-passes", type=int, default=5_000_000, help="the run's whole budget (the driver's)")
+    parser.add_argument(
+        "--token-passes",
+        type=int,
+        help="the run's whole budget (default: the driver's, 5 M full budget, 1.25 M transfer)",
+    )
     parser.add_argument("--output", type=Path, help="writes OUTPUT.json, OUTPUT.md and OUTPUT.png")
     args = parser.parse_args()
     results = ROOT / "benchmarks" / "results"
+    run = f"{args.run}-{args.target}"
+    token_passes = args.token_passes or {"full-budget": 5_000_000, "transfer": 1_250_000}[args.run]
     curves = {}
     for drafter in DRAFTERS:
-        record = training_record(ROOT / "benchmarks" / "checkpoints" / f"full-budget-{args.target}" / drafter)
+        record = training_record(ROOT / "benchmarks" / "checkpoints" / run / drafter)
         if record is not None:
             curves[drafter] = {
                 "finished": record["global_step"] >= record["max_steps"],
-                "points": curve(drafter, record, results, args.target, args.token_passes),
+                "points": curve(drafter, record, results, run, token_passes),
             }
     if "osprey" not in curves:
-        raise SystemExit(f"no packed Osprey run for {args.target}: run `full_budget_qwen.sh train osprey` first")
-    report = {"target": args.target, "curves": curves, "sample_efficiency": sample_efficiency(curves)}
+        raise SystemExit(f"no packed Osprey run in benchmarks/checkpoints/{run}: train its osprey drafter first")
+    report = {"run": run, "target": args.target, "curves": curves, "sample_efficiency": sample_efficiency(curves)}
     table = markdown(report)
     print(table)
     if args.output:
