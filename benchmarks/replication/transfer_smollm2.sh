@@ -23,14 +23,17 @@
 # - init: the backbone unpacked (if missing) and converted with a 32,000-token draft vocabulary (the Qwen run's size;
 #   its list is Qwen's tokens) counted on the ShareGPT training text, then `osprey baseline scratch|eagle3 --like` it;
 #   prints the vocabulary alignment's counts. Measured: 81 s (beside the answers' first batch).
-# - features: bf16 target, sequences up to 640 tokens. Not measured yet.
+# - features: bf16 target, sequences up to 640 tokens. Measured: 9 min.
 # - train: stages.sh's train_in_chunks (CHUNK_MINUTES, MAX_CHUNKS); each chunk's checkpoint packed as int4 changes
 #   against the drafter's init into benchmarks/checkpoints/transfer-smollm2-135m-instruct/DRAFTER. The curve's points
 #   (1/16, 1/8, 1/4, 1/2 of the steps, and the end) are evaluated on the held-out answers, kept, and their tau benched
-#   on the 25-prompt subset as each chunk ends (CURVE=0: later, with `curve`). Not measured yet.
+#   on the 25-prompt subset as each chunk ends (CURVE=0: later, with `curve`). Measured: Osprey's 1,126 steps in 72 min
+#   (~3.8 s a step), the body-random control's at ~4 s a step.
 # - bench: osprey, scratch and eagle3 (chains, and trees with --draft-topk 3) and the target alone decode the
 #   replication's 50 prompts in one run (library drafting defaults, nothing tuned) into
-#   benchmarks/results/transfer-smollm2-135m-instruct.json; ratios.py's groups in ...-ratios.txt. Not measured yet.
+#   benchmarks/results/transfer-smollm2-135m-instruct.json, beside the SmolLM2 pilot's Osprey drafter as a reference
+#   (`pilot`: its own SmolLM2 backbone, 150 steps on human ShareGPT answers, 8k draft vocabulary); ratios.py's groups
+#   in ...-ratios.txt; the curves and sample efficiency (full_budget_curves.py --run transfer) in ...-curves.*.
 #
 # DRAFTER: osprey, scratch or eagle3.
 #
@@ -98,17 +101,21 @@ bench() {  # the one bench (chains, and trees with --draft-topk 3), then the gro
     finished $drafter || return 1
     drafters+=(--drafter "$drafter=$OUT/$drafter")
   done
-  log "the bench (osprey, scratch, eagle3, target) -> $RESULTS"
+  drafters+=(--drafter pilot=benchmarks/checkpoints/pilot-smollm2-135m-instruct)  # a reference, not a control
+  log "the bench (osprey, scratch, eagle3, pilot, target) -> $RESULTS"
   $OSPREY bench --target $TARGET "${drafters[@]}" --baselines target --prompts spec_bench --prompts mt_bench \
     --prompts humaneval --prompts mmath --per-category 2 --seed 0 --max-new-tokens 64 --draft-topk 3 \
     --drafter-quantization int8 --dtype bfloat16 --output "$RESULTS" || return 1
-  commit_results "Transfer to $TARGET: the bench (osprey, scratch, eagle3, target)" "${RESULTS%.json}".*
+  commit_results "Transfer to $TARGET: the bench (osprey, scratch, eagle3, pilot, target)" "${RESULTS%.json}".*
   for suffix in "" -tree; do
     $PYTHON benchmarks/replication/ratios.py "$RESULTS" --drafter "osprey$suffix" \
       --controls "scratch$suffix" "eagle3$suffix" || return 1
   done > "${RESULTS%.json}-ratios.txt" || return 1
   cat "${RESULTS%.json}-ratios.txt"
-  commit_results "Transfer to $TARGET: the bench's ratios" "${RESULTS%.json}-ratios.txt"
+  $PYTHON benchmarks/replication/full_budget_curves.py --run transfer --target $TARGET --output "${RESULTS%.json}-curves" \
+    || return 1
+  commit_results "Transfer to $TARGET: the bench's ratios, the curves and the sample efficiency" \
+    "${RESULTS%.json}-ratios.txt" "${RESULTS%.json}"-curves.*
 }
 
 rc=0
