@@ -382,7 +382,7 @@ def _replication_ratios_module():
     return _replication_module("ratios")
 
 
-def _request(method, prompt_id, tau, output="same"):
+def _request(method, prompt_id, tau, output="same", accepted=(0, 0)):
     return {
         "method": method,
         "suite": "spec_bench",
@@ -390,6 +390,8 @@ def _request(method, prompt_id, tau, output="same"):
         "prompt_id": prompt_id,
         "tau": tau,
         "output_sha256": output,
+        "accepted_per_step": list(accepted),
+        "drafted_per_step": [3] * len(accepted),
     }
 
 
@@ -398,11 +400,18 @@ def test_replication_ratios_compare_only_prompts_every_method_finished():
     ratios = _replication_ratios_module()
     results = {
         "methods": {"osprey": "drafter:a", "scratch": "drafter:b"},
-        "requests": [_request("osprey", "1", 1.5), _request("scratch", "1", 1.0), _request("osprey", "2", 3.0)],
+        "requests": [
+            _request("osprey", "1", 1.5, accepted=(2, 0)),
+            _request("scratch", "1", 1.0),
+            _request("osprey", "2", 3.0, accepted=(3, 3)),
+        ],
     }
     requests = ratios.complete_requests(results)
     assert [(r["method"], r["prompt_id"]) for r in requests] == [("osprey", "1"), ("scratch", "1")]
-    assert ratios.ratios(requests, controls=("scratch",))["overall"]["osprey/scratch"] == pytest.approx(1.5)
+    table = ratios.ratios(requests, controls=("scratch",))["overall"]
+    assert table["osprey/scratch"] == pytest.approx(1.5)
+    # acceptance at each draft position pools the group's steps, of the compared prompts only
+    assert table["position_acceptance"] == {"osprey": [0.5, 0.5, 0.0], "scratch": [0.0, 0.0, 0.0]}
 
 
 def test_replication_ratios_join_another_bench_only_when_both_decoded_alike():

@@ -21,6 +21,7 @@ import json
 import statistics
 
 from osprey.bench import DRAFTER_KINDS, saved_settings
+from osprey.bench_report import position_acceptance
 
 
 def _prompt_key(row: dict) -> tuple[str, str, str]:
@@ -77,20 +78,27 @@ def group_of(row: dict) -> set[str]:
 
 
 def ratios(requests: list[dict], drafter: str = "osprey", controls=("scratch", "eagle3")) -> dict:
+    """Per group: each method's mean τ and acceptance at each draft position (`osprey bench`'s: among the steps
+    that drafted a k-th token, the share that accepted it, over all the group's steps), and the drafter's τ ratios."""
     taus: dict[tuple[str, str], list[float]] = {}
+    steps: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
     for row in requests:
         if row["tau"] is None:
             continue
         for group in group_of(row):
             taus.setdefault((row["method"], group), []).append(row["tau"])
+            accepted, drafted = steps.setdefault((row["method"], group), ([], []))
+            accepted += row["accepted_per_step"]
+            drafted += row["drafted_per_step"]
     table = {}
     for group in ("overall", "in domain", "out of domain", "non-English"):
         if (drafter, group) not in taus:
             continue
-        entry = {"num_prompts": len(taus[drafter, group]), "tau": {}}
+        entry = {"num_prompts": len(taus[drafter, group]), "tau": {}, "position_acceptance": {}}
         for method in (drafter, *controls):
             if (method, group) in taus:
                 entry["tau"][method] = statistics.mean(taus[method, group])
+                entry["position_acceptance"][method] = position_acceptance(*steps[method, group])
         for control in controls:
             if control in entry["tau"]:
                 entry[f"{drafter}/{control}"] = entry["tau"][drafter] / entry["tau"][control]
@@ -168,6 +176,11 @@ def main() -> None:
         cells = [f"{entry['tau'].get(m, float('nan')):.2f}" for m in methods]
         cells += [f"{entry.get(f'{args.drafter}/{c}', float('nan')):.2f}x" for c in args.controls]
         print(f"| {group} | {entry['num_prompts']} | " + " | ".join(cells) + " |")
+    print()
+    print("| group | method | acceptance at draft positions 1.. |\n|---|---|---|")
+    for group, entry in table.items():
+        for method, rates in entry["position_acceptance"].items():
+            print(f"| {group} | {method} | " + ", ".join(f"{rate:.2f}" for rate in rates) + " |")
     print()
     print(
         "| method | speedup (summed tokens and time) | drafts per step | ms per draft token | ms per verify step "
