@@ -32,7 +32,7 @@
 # - bench: osprey, scratch and eagle3 (chains, and trees with --draft-topk 3) and the target alone decode the
 #   replication's 50 prompts in one run (library drafting defaults, nothing tuned) into
 #   benchmarks/results/transfer-smollm2-135m-instruct.json, beside the SmolLM2 pilot's Osprey drafter as a reference
-#   (`pilot`: its own SmolLM2 backbone, 150 steps on human ShareGPT answers, 8k draft vocabulary); ratios.py's groups
+#   (`pilot`: its own SmolLM2 backbone, 150 steps on ShareGPT conversations, 8k draft vocabulary); ratios.py's groups
 #   in ...-ratios.txt; the curves and sample efficiency (full_budget_curves.py --run transfer) in ...-curves.*.
 #   Measured: the three trainings 72, 73 and 28 min (Osprey, body-random, EAGLE-3); the bench 20 min.
 #
