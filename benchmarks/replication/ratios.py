@@ -1,7 +1,7 @@
 """The replication's headline ratios from an `osprey bench` results JSON: Osprey's mean acceptance length τ over each
-control's, overall, on non-English prompts and on prompts out of the distillation data's domain (chat); then, per
-method over all requests, the speedup from summed tokens and time, the mean chain length and the cost of a draft
-token and of a verification step.
+control's, overall, on non-English prompts and on prompts out of the distillation data's domain (chat); then each
+method's acceptance at each draft position in each group; then, per method over all requests, the speedup from summed
+tokens and time, the mean chain length and the cost of a draft token and of a verification step.
 
     python benchmarks/replication/ratios.py benchmarks/results/replication-smollm2-135m-instruct.json
 

@@ -113,8 +113,8 @@ bench() {  # the one bench (chains, and trees with --draft-topk 3), then the gro
       --controls "scratch$suffix" "eagle3$suffix" || return 1
   done > "${RESULTS%.json}-ratios.txt" || return 1
   cat "${RESULTS%.json}-ratios.txt"
-  $PYTHON benchmarks/replication/full_budget_curves.py --run transfer --target $TARGET --output "${RESULTS%.json}-curves" \
-    || return 1
+  $PYTHON benchmarks/replication/full_budget_curves.py --run transfer --target $TARGET --token-passes "$TOKEN_PASSES" \
+    --output "${RESULTS%.json}-curves" || return 1
   commit_results "Transfer to $TARGET: the bench's ratios, the curves and the sample efficiency" \
     "${RESULTS%.json}-ratios.txt" "${RESULTS%.json}"-curves.*
 }
