@@ -34,9 +34,11 @@
 # (TOKEN_PASSES=312500: runs and methods named VARIANT-312k); the winner then runs at the full budget, and the
 # controls with the winner's data, vocabulary and replay.
 #
-# Products: answers in benchmarks/checkpoints/regenerated-multilingual-chat-TARGET; each run's checkpoints packed
-# (int4 changes against its init, 3-bit for EAGLE-3) in benchmarks/checkpoints/languages-TARGET/VARIANT; taus in
+# Products: answers in benchmarks/checkpoints/regenerated-multilingual-chat-TARGET; each full-budget run's checkpoints
+# packed (int4 changes against its init, 3-bit for EAGLE-3) in benchmarks/checkpoints/languages-TARGET/VARIANT; taus in
 # benchmarks/results/languages-TARGET-{multilingual,english}.json, one method per VARIANT-stepN; COMMIT=1 commits them.
+# A screening run's packs stay on this machine ($OUT/packed): its product is its taus, committed as they are measured,
+# and a machine change costs one rerun of its ~20 min (the packs would add 35 MB each to every clone).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-/work/runs}
@@ -107,6 +109,10 @@ features() {  # features DATA: the target's features of a set, in $OUT/features-
   answer_features "$OUT/data-$1" "$EXAMPLES" "$OUT/features-$1"
 }
 
+packed_of() {  # packed_of RUN: where RUN's packs go: committed for the full budget, kept here for a screening run
+  if [ "$TOKEN_PASSES" = 1250000 ]; then echo "$PACKED/$1"; else echo "$OUT/packed/$1"; fi
+}
+
 run_name() {  # run_name VARIANT: VARIANT at the full budget, VARIANT-312k (its thousands of token-passes) below it
   if [ "$TOKEN_PASSES" = 1250000 ]; then echo "$1"; else echo "$1-$((TOKEN_PASSES / 1000))k"; fi
 }
@@ -150,8 +156,11 @@ train() {  # train VARIANT: 0 when trained, 3 when its chunks ran out (rerun), 1
   [ "$KIND" = eagle3 ] && bits=3  # as full_budget_qwen.sh: a 4-bit EAGLE-3 pack would pass 50 MB
   PACK_ARGS=(--reference "$INIT" --delta-bits $bits)
   local run; run=$(run_name "$1")
-  train_in_chunks "$OUT/$run" "$PACKED/$run" $OSPREY distill --config "$CONFIG" --feature-cache "$OUT/features-$DATA" \
-    --drafter "$INIT" --output "$OUT/$run" --max-steps "$steps" ${keep:+--keep-steps $keep} "${ARGS[@]}" || rc=$?
+  local packed commit=0; packed=$(packed_of "$run")
+  if [ "$TOKEN_PASSES" = 1250000 ]; then commit=${COMMIT:-0}; fi  # a screening run's packs stay here (packed_of)
+  COMMIT=$commit train_in_chunks "$OUT/$run" "$packed" $OSPREY distill --config "$CONFIG" \
+    --feature-cache "$OUT/features-$DATA" --drafter "$INIT" --output "$OUT/$run" --max-steps "$steps" \
+    ${keep:+--keep-steps $keep} "${ARGS[@]}" || rc=$?
   evaluate "$1" || return 1
   return $rc
 }
@@ -167,9 +176,10 @@ measure() {  # measure NAME DIR: NAME's greedy tau on the held-out multilingual 
 evaluate() {  # evaluate VARIANT: each kept point and the final drafter (trained here or unpacked) not measured yet
   local kept
   local run; run=$(run_name "$1")
-  if [ ! -f "$OUT/$run/model.safetensors" ] && [ -f "$PACKED/$run/final/osprey_pack.json" ]; then
+  local packed; packed=$(packed_of "$run")
+  if [ ! -f "$OUT/$run/model.safetensors" ] && [ -f "$packed/final/osprey_pack.json" ]; then
     init "$1" || return 1  # the pack holds changes against the init: rebuild it first
-    $OSPREY unpack --checkpoint "$PACKED/$run/final" --output "$OUT/$run" || return 1
+    $OSPREY unpack --checkpoint "$packed/final" --output "$OUT/$run" || return 1
   fi
   for kept in "$OUT/$run/kept"/step-* "$OUT/$run"; do
     [ -f "$kept/model.safetensors" ] || continue
