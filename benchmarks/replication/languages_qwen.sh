@@ -51,7 +51,8 @@ EN_ANSWERS=benchmarks/checkpoints/regenerated-sharegpt-$TARGET
 ML_ANSWERS=benchmarks/checkpoints/regenerated-multilingual-chat-$TARGET
 CONFIG=benchmarks/replication/distill-qwen-full-budget.yaml
 EXAMPLES=${EXAMPLES:-2600}
-TOKEN_PASSES=${TOKEN_PASSES:-1250000}
+FULL_BUDGET=1250000
+TOKEN_PASSES=${TOKEN_PASSES:-$FULL_BUDGET}
 REPLAY_WEIGHT=${REPLAY_WEIGHT:-0.25}
 SLOW_SCALE=${SLOW_SCALE:-0.25}
 OUT=$RUNS/languages-$TARGET
@@ -109,12 +110,14 @@ features() {  # features DATA: the target's features of a set, in $OUT/features-
   answer_features "$OUT/data-$1" "$EXAMPLES" "$OUT/features-$1"
 }
 
+screening() { [ "$TOKEN_PASSES" != "$FULL_BUDGET" ]; }  # a run below the full budget: it screens a candidate
+
 packed_of() {  # packed_of RUN: where RUN's packs go: committed for the full budget, kept here for a screening run
-  if [ "$TOKEN_PASSES" = 1250000 ]; then echo "$PACKED/$1"; else echo "$OUT/packed/$1"; fi
+  if screening; then echo "$OUT/packed/$1"; else echo "$PACKED/$1"; fi
 }
 
 run_name() {  # run_name VARIANT: VARIANT at the full budget, VARIANT-312k (its thousands of token-passes) below it
-  if [ "$TOKEN_PASSES" = 1250000 ]; then echo "$1"; else echo "$1-$((TOKEN_PASSES / 1000))k"; fi
+  if screening; then echo "$1-$((TOKEN_PASSES / 1000))k"; else echo "$1"; fi
 }
 
 parse() {  # parse VARIANT: sets KIND (osprey|scratch|eagle3), DATA, INIT (its init's folder) and ARGS
@@ -151,13 +154,13 @@ train() {  # train VARIANT: 0 when trained, 3 when its chunks ran out (rerun), 1
   read -r steps keep <<< "$(budget_plan "$OUT/features-$DATA/feature_cache.json" "$TOKEN_PASSES" "$CONFIG")"
   [ -n "$keep" ] || { log "could not read the budget from $OUT/features-$DATA/feature_cache.json"; return 1; }
   # a screening run (below the full budget) keeps no curve: only its final drafter is measured
-  [ "$TOKEN_PASSES" = 1250000 ] || keep=""
+  if screening; then keep=""; fi
   log "$1: $steps steps ($TOKEN_PASSES token-passes of data-$DATA), curve points at steps ${keep:-(none)} and $steps"
   [ "$KIND" = eagle3 ] && bits=3  # as full_budget_qwen.sh: a 4-bit EAGLE-3 pack would pass 50 MB
   PACK_ARGS=(--reference "$INIT" --delta-bits $bits)
   local run; run=$(run_name "$1")
   local packed commit=0; packed=$(packed_of "$run")
-  if [ "$TOKEN_PASSES" = 1250000 ]; then commit=${COMMIT:-0}; fi  # a screening run's packs stay here (packed_of)
+  if ! screening; then commit=${COMMIT:-0}; fi  # a screening run's packs stay here (packed_of)
   COMMIT=$commit train_in_chunks "$OUT/$run" "$packed" $OSPREY distill --config "$CONFIG" \
     --feature-cache "$OUT/features-$DATA" --drafter "$INIT" --output "$OUT/$run" --max-steps "$steps" \
     ${keep:+--keep-steps $keep} "${ARGS[@]}" || rc=$?
