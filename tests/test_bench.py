@@ -468,7 +468,7 @@ def test_full_budget_sample_efficiency_reads_each_drafters_own_rows_and_only_fin
     report = {
         name: {
             "finished": run["global_step"] >= run["max_steps"],
-            "points": curves.curve(name, run, tmp_path, "full-budget-t", token_passes=1000),
+            "points": curves.curve(run, curves.step_benches(tmp_path, "full-budget-t", name), token_passes=1000),
         }
         for name, run in runs.items()
     }
@@ -478,6 +478,46 @@ def test_full_budget_sample_efficiency_reads_each_drafters_own_rows_and_only_fin
     assert efficiency["scratch"]["heldout_ttt_acc_0"]["osprey_token_passes_to_reach"] == 750
     assert efficiency["scratch"]["heldout_ttt_acc_0"]["share_of_control_tokens"] == 0.75
     assert efficiency["scratch"]["tau out of domain"]["share_of_control_tokens"] == 0.875
+
+
+def test_language_curves_read_each_packs_own_rows_of_the_shared_english_and_held_out_benches(tmp_path, monkeypatch):
+    """`languages` benches every kept step into two shared files, one method `PACK-stepN` per point: a point's τ is
+    its own rows only, the English subset's groups plus the mean over the held-out multilingual openings; the controls
+    are the variant's without `-slow`."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks" / "replication"))
+    curves = _replication_module("full_budget_curves")
+    english = [
+        dict(_request(f"{pack}-step{step}", "p", tau), category="translation")
+        for pack, step, tau in (("mixed-slow", 2, 1.2), ("mixed-slow", 4, 1.6), ("scratch-mixed", 4, 1.4))
+    ]
+    held_out = [
+        {**_request(f"{pack}-step{step}", prompt, tau), "suite": "multilingual_chat", "category": group}
+        for pack, step, prompt, group, tau in (
+            ("mixed-slow", 4, "a", "cjk", 1.5),
+            ("mixed-slow", 4, "b", "cyrillic", 1.3),
+            ("scratch-mixed", 4, "a", "cjk", 1.0),
+        )
+    ]
+    (tmp_path / "languages-t-english.json").write_text(json.dumps({"requests": english}))
+    (tmp_path / "languages-t-multilingual.json").write_text(json.dumps({"requests": held_out}))
+    packs = curves.packs("languages", "mixed-slow")
+    assert packs == {"osprey": "mixed-slow", "scratch": "scratch-mixed", "eagle3": "eagle3-mixed"}
+    assert curves.packs("transfer", "mixed-slow")["scratch"] == "scratch"
+    record = {
+        "log_history": [{"step": s, "eval_ttt_acc_0": 0.1, "eval_ttt_acc_4": 0.0} for s in (2, 4)],
+        "max_steps": 4,
+    }
+    points = curves.curve(record, curves.held_out_benches(tmp_path, "languages-t", packs["osprey"]), token_passes=100)
+    assert [p.get("tau overall") for p in points] == [1.2, 1.6]
+    assert "tau held-out non-English" not in points[0]
+    assert points[1]["tau held-out non-English"] == pytest.approx(1.4)
+    scratch = curves.curve(record, curves.held_out_benches(tmp_path, "languages-t", packs["scratch"]), token_passes=100)
+    assert scratch[1]["tau out of domain"] == 1.4 and scratch[1]["tau held-out non-English"] == 1.0
+    assert "held-out non-English" in curves.markdown(
+        {"run": "languages-t", "target": "t", "curves": {"osprey": {"points": points}}, "sample_efficiency": {}}
+    )
 
 
 def _trainer_state(folder, evaluations, global_step, epoch):

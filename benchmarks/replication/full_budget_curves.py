@@ -5,12 +5,18 @@ the share of each control's token-passes Osprey needs to reach the control's fin
         --output benchmarks/results/full-budget-qwen2.5-coder-1.5b-instruct-curves
     python benchmarks/replication/full_budget_curves.py --run transfer --target smollm2-135m-instruct \
         --output benchmarks/results/transfer-smollm2-135m-instruct-curves
+    python benchmarks/replication/full_budget_curves.py --run languages --variant mixed-slow \
+        --output benchmarks/results/languages-qwen2.5-coder-1.5b-instruct-curves
 
-Everything is read from what the driver (`full_budget_qwen.sh`, `transfer_smollm2.sh`) commits, so a fresh machine
-gets the same tables: held-out TTT accuracy (48 held-out conversations) at each kept step from the training record
-packed with each drafter (`benchmarks/checkpoints/RUN-TARGET/DRAFTER/final/trainer_state.json`, or the resume pack's
-while a run is unfinished), and τ per group of prompts (`ratios.py`'s groups) from the fixed 25-prompt benches of
-each kept step (`benchmarks/results/RUN-TARGET-stepN.json`). Every drafter sees the same batches of the same data, so
+Everything is read from what the driver (`full_budget_qwen.sh`, `transfer_smollm2.sh`, `languages_qwen.sh`) commits,
+so a fresh machine gets the same tables: held-out TTT accuracy (48 held-out conversations) at each kept step from the
+training record packed with each drafter (`benchmarks/checkpoints/RUN-TARGET/DRAFTER/final/trainer_state.json`, or
+the resume pack's while a run is unfinished), and τ per group of prompts (`ratios.py`'s groups) on the fixed
+25-prompt subset at each kept step: each step's own bench (`benchmarks/results/RUN-TARGET-stepN.json`), or for
+`languages` the rows of method `PACK-stepN` in `languages-TARGET-english.json`, with the τ on the held-out
+multilingual-chat openings (`languages-TARGET-multilingual.json`) beside them. `languages` reads the packs of
+`--variant` (Osprey) and of its controls, `scratch-` and `eagle3-` with the same data, vocabulary and replay (the
+variant without `-slow`, which the controls refuse). Every drafter sees the same batches of the same data, so
 token-passes are the budget's share of its steps (full budget: 5 M token-passes over 5,024 steps). A control's value
 is read at its last point only once its run has finished; Osprey's token-passes to reach it are interpolated linearly
 between Osprey's points (`qwen_curves.reaching`).
@@ -30,7 +36,9 @@ from ratios import ratios  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 DRAFTERS = ("osprey", "scratch", "eagle3")
 GROUPS = ("overall", "out of domain", "non-English")
-KEYS = ("heldout_ttt_acc_0", "heldout_ttt_acc_4", *(f"tau {group}" for group in GROUPS))
+HELD_OUT = "tau held-out non-English"  # languages: the held-out multilingual-chat openings, all scripts
+TAU_KEYS = (*(f"tau {group}" for group in GROUPS), HELD_OUT)
+KEYS = ("heldout_ttt_acc_0", "heldout_ttt_acc_4", *TAU_KEYS)
 
 
 def training_record(packed: Path) -> dict | None:
@@ -42,24 +50,52 @@ def training_record(packed: Path) -> dict | None:
     return None
 
 
-def curve(drafter: str, record: dict, results: Path, run: str, token_passes: int) -> list[dict]:
-    """One point per evaluation in the record, with the τ of that step's bench where it exists."""
+def group_taus(requests: list[dict], method: str) -> dict:
+    """`method`'s τ per group (`ratios.py`'s) among `requests`, keyed as the curves' points are."""
+    table = ratios(requests, drafter=method, controls=())
+    return {f"tau {group}": round(table[group]["tau"][method], 4) for group in GROUPS if group in table}
+
+
+def requests_of(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["requests"] if path.is_file() else []
+
+
+def step_benches(results: Path, run: str, drafter: str):
+    """τ at a step from that step's own bench, `RESULTS/RUN-stepN.json` (full-budget, transfer)."""
+    return lambda step: group_taus(requests_of(results / f"{run}-step{step}.json"), drafter)
+
+
+def held_out_benches(results: Path, run: str, pack: str):
+    """τ at a step from the rows of method `PACK-stepN` (languages): the English subset's groups, and the mean over
+    the held-out multilingual-chat openings."""
+    english, multilingual = (requests_of(results / f"{run}-{suite}.json") for suite in ("english", "multilingual"))
+
+    def taus(step: int) -> dict:
+        method = f"{pack}-step{step}"
+        point = group_taus(english, method)
+        if held_out := group_taus(multilingual, method).get("tau non-English"):
+            point[HELD_OUT] = held_out
+        return point
+
+    return taus
+
+
+def curve(record: dict, taus_at, token_passes: int) -> list[dict]:
+    """One point per evaluation in the record, with `taus_at(step)`, its τ where that step was benched."""
     points = []
     for entry in record["log_history"]:
         if "eval_ttt_acc_0" not in entry:
             continue
         step = entry["step"]
-        point = {
-            "step": step,
-            "token_passes": round(token_passes * step / record["max_steps"]),
-            "heldout_ttt_acc_0": entry["eval_ttt_acc_0"],
-            "heldout_ttt_acc_4": entry["eval_ttt_acc_4"],
-        }
-        bench = results / f"{run}-step{step}.json"
-        if bench.is_file():
-            table = ratios(json.loads(bench.read_text())["requests"], drafter=drafter, controls=())
-            point |= {f"tau {group}": round(table[group]["tau"][drafter], 4) for group in GROUPS if group in table}
-        points.append(point)
+        points.append(
+            {
+                "step": step,
+                "token_passes": round(token_passes * step / record["max_steps"]),
+                "heldout_ttt_acc_0": entry["eval_ttt_acc_0"],
+                "heldout_ttt_acc_4": entry["eval_ttt_acc_4"],
+            }
+            | taus_at(step)
+        )
     return points
 
 
@@ -82,21 +118,23 @@ def sample_efficiency(curves: dict[str, dict]) -> dict:
 
 
 def markdown(report: dict) -> str:
+    points = [point for run in report["curves"].values() for point in run["points"]]
+    taus = [key for key in TAU_KEYS if any(key in point for point in points)]
     lines = [
         f"Learning curves of `{report['run']}`, target `{report['target']}` "
         "(`benchmarks/replication/full_budget_curves.py`).",
         "",
         "| drafter | step | token-passes | held-out acc_0 | held-out acc_4 | "
-        + " | ".join(f"τ {group}" for group in GROUPS)
+        + " | ".join(key.replace("tau ", "τ ") for key in taus)
         + " |",
-        "|---|---:|---:|---:|---:|" + "---:|" * len(GROUPS),
+        "|---|---:|---:|---:|---:|" + "---:|" * len(taus),
     ]
     for drafter, run in report["curves"].items():
         for point in run["points"]:
-            taus = " | ".join(f"{point[f'tau {g}']:.2f}" if f"tau {g}" in point else "–" for g in GROUPS)
+            cells = " | ".join(f"{point[key]:.2f}" if key in point else "–" for key in taus)
             lines.append(
                 f"| {drafter} | {point['step']:,} | {point['token_passes'] / 1e6:.2f} M | "
-                f"{point['heldout_ttt_acc_0']:.3f} | {point['heldout_ttt_acc_4']:.3f} | {taus} |"
+                f"{point['heldout_ttt_acc_0']:.3f} | {point['heldout_ttt_acc_4']:.3f} | {cells} |"
             )
     lines += [
         "",
@@ -136,27 +174,40 @@ def plot(report: dict, path: Path) -> None:
     plt.close(figure)
 
 
+def packs(run: str, variant: str) -> dict[str, str]:
+    """Each drafter's folder under `benchmarks/checkpoints/RUN-TARGET`: for `languages`, the variant's and its
+    controls' (the variant without `-slow`, refused for the controls), else the drafter's own name."""
+    if run != "languages":
+        return {drafter: drafter for drafter in DRAFTERS}
+    controlled = variant.removesuffix("-slow")
+    return {"osprey": variant, "scratch": f"scratch-{controlled}", "eagle3": f"eagle3-{controlled}"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", choices=("full-budget", "transfer"), default="full-budget", help="the driver's runs")
+    parser.add_argument(
+        "--run", choices=("full-budget", "transfer", "languages"), default="full-budget", help="the driver's runs"
+    )
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--variant", default="mixed-slow", help="languages: the Osprey variant (languages_qwen.sh's)")
     parser.add_argument(
         "--token-passes",
         type=int,
-        help="the run's whole budget (default: the driver's, 5 M full budget, 1.25 M transfer)",
+        help="the run's whole budget (default: the driver's, 5 M full budget, 1.25 M transfer and languages)",
     )
     parser.add_argument("--output", type=Path, help="writes OUTPUT.json, OUTPUT.md and OUTPUT.png")
     args = parser.parse_args()
     results = ROOT / "benchmarks" / "results"
     run = f"{args.run}-{args.target}"
-    token_passes = args.token_passes or {"full-budget": 5_000_000, "transfer": 1_250_000}[args.run]
+    token_passes = args.token_passes or {"full-budget": 5_000_000}.get(args.run, 1_250_000)
     curves = {}
-    for drafter in DRAFTERS:
-        record = training_record(ROOT / "benchmarks" / "checkpoints" / run / drafter)
+    for drafter, pack in packs(args.run, args.variant).items():
+        record = training_record(ROOT / "benchmarks" / "checkpoints" / run / pack)
         if record is not None:
+            taus_at = (held_out_benches if args.run == "languages" else step_benches)(results, run, pack)
             curves[drafter] = {
                 "finished": record["global_step"] >= record["max_steps"],
-                "points": curve(drafter, record, results, run, token_passes),
+                "points": curve(record, taus_at, token_passes),
             }
     if "osprey" not in curves:
         raise SystemExit(f"no packed Osprey run in benchmarks/checkpoints/{run}: train its osprey drafter first")

@@ -16,6 +16,8 @@
 #   languages_qwen.sh evaluate VARIANT # held-out taus of each kept point and the final drafter not yet measured
 #   languages_qwen.sh reference        # the same taus of the converted init and of the shipped full-budget drafter
 #   languages_qwen.sh table            # tau per language group of everything measured -> RESULTS-table.md
+#   languages_qwen.sh bench VARIANT    # the full-budget VARIANT and its controls: one bench, the ratios, the curves
+#   languages_qwen.sh curves VARIANT   # the curves and the sample efficiency alone (RESULTS-curves.*)
 #
 # VARIANT is [scratch-|eagle3-]DATA[-vocab][-replay][-slow]:
 # - DATA `en`: the first EXAMPLES (2,600) ShareGPT answers (regenerate_qwen.sh's, committed), what every drafter so
@@ -33,6 +35,12 @@
 # The candidates are en, mixed, mixed-vocab, mixed-replay and mixed-slow, screened at a quarter of the budget
 # (TOKEN_PASSES=312500: runs and methods named VARIANT-312k); the winner then runs at the full budget, and the
 # controls with the winner's data, vocabulary and replay.
+#
+# bench: the winner (methods osprey, osprey-tree) and its controls (scratch, eagle3: the winner's data, vocabulary and
+# replay), all trained to the full budget, decode the replication's 50 prompts (Spec-Bench, MT-Bench, HumanEval, MMATH;
+# 2 per category), chains and trees (--draft-topk 3), as transfer_smollm2.sh's bench, into RESULTS-bench.json; no
+# target-alone run (greedy tau needs none); ratios.py's groups in RESULTS-bench-ratios.txt; the curves of the three runs
+# (each kept point's tau from the held-out measures) and the sample efficiency in RESULTS-curves.*.
 #
 # Products: answers in benchmarks/checkpoints/regenerated-multilingual-chat-TARGET; each full-budget run's checkpoints
 # packed (int4 changes against its init, 3-bit for EAGLE-3) in benchmarks/checkpoints/languages-TARGET/VARIANT; taus in
@@ -65,8 +73,8 @@ mkdir -p "$OUT"
 
 usage() {
   echo "usage: $0 answers | data | features en|mixed | init VARIANT | train VARIANT | evaluate VARIANT | reference |" \
-    "table" >&2
-  echo "  VARIANT: [scratch-|eagle3-](en|mixed)[-vocab][-replay][-slow]" >&2
+    "table | bench OSPREY_VARIANT | curves OSPREY_VARIANT" >&2
+  echo "  VARIANT: [scratch-|eagle3-](en|mixed)[-vocab][-replay][-slow]; OSPREY_VARIANT: one without the prefix" >&2
   exit 2
 }
 MODE=${1:-}
@@ -74,6 +82,7 @@ case $MODE in
   answers|data|reference|table) [ $# -eq 1 ] || usage ;;
   features) [ $# -eq 2 ] && [[ $2 =~ ^(en|mixed)$ ]] || usage ;;
   init|train|evaluate) [ $# -eq 2 ] && [[ $2 =~ ^((scratch|eagle3)-)?(en|mixed)(-vocab)?(-replay)?(-slow)?$ ]] || usage ;;
+  bench|curves) [ $# -eq 2 ] && [[ $2 =~ ^(en|mixed)(-vocab)?(-replay)?(-slow)?$ ]] || usage ;;
   *) usage ;;
 esac
 
@@ -215,6 +224,39 @@ PY
   commit_results "Issue 54 languages ($TARGET): the table" "$RESULTS-table.md"
 }
 
+controls_of() {  # controls_of VARIANT: its controls' variants, on its data, vocabulary and replay (they refuse -slow)
+  echo "scratch-${1%-slow} eagle3-${1%-slow}"
+}
+
+bench() {  # bench VARIANT: the one bench of VARIANT and its controls at the full budget, the ratios, the curves
+  local run suffix drafters=() bench=$RESULTS-bench.json
+  if screening; then log "bench compares full-budget runs: unset TOKEN_PASSES"; return 1; fi
+  for run in "$1" $(controls_of "$1"); do
+    finished "$run" || return 1  # unpacked from its committed pack on a fresh machine (stages.sh)
+    parse "$run"  # KIND: the bench's method name (osprey, scratch, eagle3)
+    drafters+=(--drafter "$KIND=$OUT/$run")
+  done
+  log "the bench ($1 as osprey, $(controls_of "$1")) -> $bench"
+  $OSPREY bench --target $TARGET "${drafters[@]}" --baselines "" --prompts spec_bench --prompts mt_bench \
+    --prompts humaneval --prompts mmath --per-category 2 --seed 0 --max-new-tokens 64 --draft-topk 3 \
+    --drafter-quantization int8 --dtype bfloat16 --output "$bench" || return 1
+  commit_results "Issue 54 languages ($TARGET): the bench of $1 and its controls" "${bench%.json}".*
+  for suffix in "" -tree; do
+    $PYTHON benchmarks/replication/ratios.py "$bench" --drafter "osprey$suffix" \
+      --controls "scratch$suffix" "eagle3$suffix" || return 1
+  done > "${bench%.json}-ratios.txt" || return 1
+  cat "${bench%.json}-ratios.txt"
+  commit_results "Issue 54 languages ($TARGET): the bench's ratios" "${bench%.json}-ratios.txt"
+  curves "$1"
+}
+
+curves() {  # curves VARIANT: the learning curves of VARIANT and its controls, and the sample efficiency
+  $PYTHON benchmarks/replication/full_budget_curves.py --run languages --variant "$1" --target $TARGET \
+    --token-passes "$FULL_BUDGET" --output "$RESULTS-curves" || return 1
+  commit_results "Issue 54 languages ($TARGET): the curves of $1 and its controls, the sample efficiency" \
+    "$RESULTS"-curves.*
+}
+
 rc=0
 case $MODE in
   answers) answer_openings "$ML_ANSWERS" $((EXAMPLES / 2)) multilingual-chat || rc=$? ;;  # and 48 held out
@@ -225,5 +267,7 @@ case $MODE in
   evaluate) evaluate "$2" || rc=$? ;;
   reference) reference || rc=$? ;;
   table) table || rc=$? ;;
+  bench) bench "$2" || rc=$? ;;
+  curves) curves "$2" || rc=$? ;;
 esac
 exit $rc
