@@ -229,7 +229,7 @@ controls_of() {  # controls_of VARIANT: its controls' variants, on its data, voc
 }
 
 bench() {  # bench VARIANT: the one bench of VARIANT and its controls at the full budget, the ratios, the curves
-  local run suffix drafters=() bench=$RESULTS-bench.json
+  local run drafters=() bench=$RESULTS-bench.json
   if screening; then log "bench compares full-budget runs: unset TOKEN_PASSES"; return 1; fi
   for run in "$1" $(controls_of "$1"); do
     finished "$run" || return 1  # unpacked from its committed pack on a fresh machine (stages.sh)
@@ -237,16 +237,9 @@ bench() {  # bench VARIANT: the one bench of VARIANT and its controls at the ful
     drafters+=(--drafter "$KIND=$OUT/$run")
   done
   log "the bench ($1 as osprey, $(controls_of "$1")) -> $bench"
-  $OSPREY bench --target $TARGET "${drafters[@]}" --baselines "" --prompts spec_bench --prompts mt_bench \
-    --prompts humaneval --prompts mmath --per-category 2 --seed 0 --max-new-tokens 64 --draft-topk 3 \
-    --drafter-quantization int8 --dtype bfloat16 --output "$bench" || return 1
-  commit_results "Issue 54 languages ($TARGET): the bench of $1 and its controls" "${bench%.json}".*
-  for suffix in "" -tree; do
-    $PYTHON benchmarks/replication/ratios.py "$bench" --drafter "osprey$suffix" \
-      --controls "scratch$suffix" "eagle3$suffix" || return 1
-  done > "${bench%.json}-ratios.txt" || return 1
-  cat "${bench%.json}-ratios.txt"
-  commit_results "Issue 54 languages ($TARGET): the bench's ratios" "${bench%.json}-ratios.txt"
+  three_drafter_bench "$bench" "${drafters[@]}" --baselines "" || return 1  # stages.sh
+  commit_results "Issue 54 languages ($TARGET): the bench of $1 and its controls, and its ratios" "${bench%.json}".* \
+    "${bench%.json}-ratios.txt"
   curves "$1"
 }
 

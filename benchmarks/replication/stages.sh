@@ -146,7 +146,7 @@ train_in_chunks() {  # train_in_chunks RUN PACKED COMMAND...: runs COMMAND (an `
   return 3
 }
 
-# --- A target's three drafters distilled on one budget (full_budget_qwen.sh, transfer_smollm2.sh) ---
+# --- A target's three drafters distilled on one budget (full_budget_qwen.sh, transfer_smollm2.sh, languages_qwen.sh) ---
 # The caller sets TARGET, OUT, ANSWERS (the committed answers), ANSWERS_HINT (how to make more), EXAMPLES, FEATURES,
 # CONFIG, TOKEN_PASSES, PACKED, CURVE_RESULTS (the curve's results files' prefix), CURVE_TITLE (its commit
 # messages), optionally EAGLE3_DELTA_BITS (default 4), and defines `init DRAFTER`.
@@ -206,6 +206,21 @@ train() {  # train DRAFTER: returns 0 when trained, 3 when its chunks ran out (r
     --drafter "$OUT/$1-init" --output "$OUT/$1" --max-steps "$steps" --keep-steps $keep || rc=$?
   if [ "${CURVE:-1}" = 1 ]; then curve "$1"; fi  # CURVE=0 leaves the benches for later (`curve`)
   return $rc
+}
+
+three_drafter_bench() {  # three_drafter_bench RESULTS ARGS...: the one bench of a target's three drafters (ARGS: the
+  # --drafter osprey=DIR, scratch=DIR, eagle3=DIR, --baselines and any reference) on the replication's 50 prompts
+  # (Spec-Bench, MT-Bench, HumanEval, MMATH; 2 per category), chains and trees (--draft-topk 3), into RESULTS; then
+  # ratios.py's groups, each shape against the controls' same shape, in RESULTS-ratios.txt
+  local results=$1 suffix; shift
+  $OSPREY bench --target $TARGET "$@" --prompts spec_bench --prompts mt_bench --prompts humaneval --prompts mmath \
+    --per-category 2 --seed 0 --max-new-tokens 64 --draft-topk 3 --drafter-quantization int8 --dtype bfloat16 \
+    --output "$results" || return 1
+  for suffix in "" -tree; do
+    $PYTHON benchmarks/replication/ratios.py "$results" --drafter "osprey$suffix" \
+      --controls "scratch$suffix" "eagle3$suffix" || return 1
+  done > "${results%.json}-ratios.txt" || return 1
+  cat "${results%.json}-ratios.txt"
 }
 
 finished() {  # finished DRAFTER: its final model in $OUT/DRAFTER (trained here, or unpacked from its committed pack)

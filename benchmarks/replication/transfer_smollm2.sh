@@ -97,22 +97,15 @@ init() {  # init [DRAFTER]: the inits, rebuilt the same way on every machine
 FEATURES=$OUT/features-$EXAMPLES
 
 bench() {  # the one bench (chains, and trees with --draft-topk 3), then the groups' tau ratios
-  local drafter suffix drafters=()
+  local drafter drafters=()
   for drafter in osprey scratch eagle3; do
     finished $drafter || return 1
     drafters+=(--drafter "$drafter=$OUT/$drafter")
   done
   drafters+=(--drafter pilot=benchmarks/checkpoints/pilot-smollm2-135m-instruct)  # a reference, not a control
   log "the bench (osprey, scratch, eagle3, pilot, target) -> $RESULTS"
-  $OSPREY bench --target $TARGET "${drafters[@]}" --baselines target --prompts spec_bench --prompts mt_bench \
-    --prompts humaneval --prompts mmath --per-category 2 --seed 0 --max-new-tokens 64 --draft-topk 3 \
-    --drafter-quantization int8 --dtype bfloat16 --output "$RESULTS" || return 1
+  three_drafter_bench "$RESULTS" "${drafters[@]}" --baselines target || return 1
   commit_results "Transfer to $TARGET: the bench (osprey, scratch, eagle3, pilot, target)" "${RESULTS%.json}".*
-  for suffix in "" -tree; do
-    $PYTHON benchmarks/replication/ratios.py "$RESULTS" --drafter "osprey$suffix" \
-      --controls "scratch$suffix" "eagle3$suffix" || return 1
-  done > "${RESULTS%.json}-ratios.txt" || return 1
-  cat "${RESULTS%.json}-ratios.txt"
   $PYTHON benchmarks/replication/full_budget_curves.py --run transfer --target $TARGET --token-passes "$TOKEN_PASSES" \
     --output "${RESULTS%.json}-curves" || return 1
   commit_results "Transfer to $TARGET: the bench's ratios, the curves and the sample efficiency" \
