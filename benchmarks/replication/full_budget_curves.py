@@ -153,17 +153,18 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    figure, panels = plt.subplots(1, 2, figsize=(12, 4))
+    panels_of = {
+        "heldout_ttt_acc_0": "held-out TTT accuracy, first draft position",
+        "tau overall": "τ, fixed 25-prompt subset",
+    }
+    if any(HELD_OUT in point for run in report["curves"].values() for point in run["points"]):
+        panels_of[HELD_OUT] = "τ, held-out multilingual-chat openings"
+    figure, panels = plt.subplots(1, len(panels_of), figsize=(6 * len(panels_of), 4))
     for drafter, run in report["curves"].items():
-        points = run["points"]
-        panels[0].plot(
-            [p["token_passes"] / 1e6 for p in points], [p["heldout_ttt_acc_0"] for p in points], "o-", label=drafter
-        )
-        benched = [p for p in points if "tau overall" in p]
-        panels[1].plot(
-            [p["token_passes"] / 1e6 for p in benched], [p["tau overall"] for p in benched], "o-", label=drafter
-        )
-    for axes, label in zip(panels, ("held-out TTT accuracy, first draft position", "τ, fixed 25-prompt subset")):
+        for axes, key in zip(panels, panels_of):
+            points = [point for point in run["points"] if key in point]
+            axes.plot([p["token_passes"] / 1e6 for p in points], [p[key] for p in points], "o-", label=drafter)
+    for axes, label in zip(panels, panels_of.values()):
         axes.set_xscale("log")
         axes.set_xlabel("distillation token-passes (M)")
         axes.set_ylabel(label)
