@@ -483,7 +483,7 @@ def test_full_budget_sample_efficiency_reads_each_drafters_own_rows_and_only_fin
 def test_language_curves_read_each_packs_own_rows_of_the_shared_english_and_held_out_benches(tmp_path, monkeypatch):
     """`languages` benches every kept step into two shared files, one method `PACK-stepN` per point: a point's τ is
     its own rows only, the English subset's groups plus the mean over the held-out multilingual openings; the controls
-    are the variant's without `-slow`."""
+    are other packs' rows."""
     from pathlib import Path
 
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks" / "replication"))
@@ -502,9 +502,7 @@ def test_language_curves_read_each_packs_own_rows_of_the_shared_english_and_held
     ]
     (tmp_path / "languages-t-english.json").write_text(json.dumps({"requests": english}))
     (tmp_path / "languages-t-multilingual.json").write_text(json.dumps({"requests": held_out}))
-    packs = curves.packs("languages", "mixed-slow")
-    assert packs == {"osprey": "mixed-slow", "scratch": "scratch-mixed", "eagle3": "eagle3-mixed"}
-    assert curves.packs("transfer", "mixed-slow")["scratch"] == "scratch"
+    packs = {"osprey": "mixed-slow", "scratch": "scratch-mixed"}
     record = {
         "log_history": [{"step": s, "eval_ttt_acc_0": 0.1, "eval_ttt_acc_4": 0.0} for s in (2, 4)],
         "max_steps": 4,

@@ -5,21 +5,21 @@ the share of each control's token-passes Osprey needs to reach the control's fin
         --output benchmarks/results/full-budget-qwen2.5-coder-1.5b-instruct-curves
     python benchmarks/replication/full_budget_curves.py --run transfer --target smollm2-135m-instruct \
         --output benchmarks/results/transfer-smollm2-135m-instruct-curves
-    python benchmarks/replication/full_budget_curves.py --run languages --variant mixed-slow \
+    python benchmarks/replication/full_budget_curves.py --run languages --pack osprey=mixed-slow \
+        --pack scratch=scratch-mixed --pack eagle3=eagle3-mixed \
         --output benchmarks/results/languages-qwen2.5-coder-1.5b-instruct-curves
 
-Everything is read from what the driver (`full_budget_qwen.sh`, `transfer_smollm2.sh`, `languages_qwen.sh`) commits,
-so a fresh machine gets the same tables: held-out TTT accuracy (48 held-out conversations) at each kept step from the
-training record packed with each drafter (`benchmarks/checkpoints/RUN-TARGET/DRAFTER/final/trainer_state.json`, or
-the resume pack's while a run is unfinished), and τ per group of prompts (`ratios.py`'s groups) on the fixed
-25-prompt subset at each kept step: each step's own bench (`benchmarks/results/RUN-TARGET-stepN.json`), or for
-`languages` the rows of method `PACK-stepN` in `languages-TARGET-english.json`, with the τ on the held-out
-multilingual-chat openings (`languages-TARGET-multilingual.json`) beside them. `languages` reads the packs of
-`--variant` (Osprey) and of its controls, `scratch-` and `eagle3-` with the same data, vocabulary and replay (the
-variant without `-slow`, which the controls refuse). Every drafter sees the same batches of the same data, so
-token-passes are the budget's share of its steps (full budget: 5 M token-passes over 5,024 steps). A control's value
-is read at its last point only once its run has finished; Osprey's token-passes to reach it are interpolated linearly
-between Osprey's points (`qwen_curves.reaching`).
+Everything is read from what the driver (`full_budget_qwen.sh`, `transfer_smollm2.sh`, `languages_qwen.sh`) commits, so
+a fresh machine gets the same tables: held-out TTT accuracy (the run's held-out conversations) at each kept step from
+the training record packed with each drafter (`benchmarks/checkpoints/RUN-TARGET/PACK/final/trainer_state.json`, PACK
+the drafter's name unless `--pack` names another folder, or the resume pack's while a run is unfinished), and τ per
+group of prompts (`ratios.py`'s groups) on the fixed 25-prompt subset at each kept step: each step's own bench
+(`benchmarks/results/RUN-TARGET-stepN.json`), or for `languages` the rows of method `PACK-stepN` in
+`languages-TARGET-english.json`, with the τ on the held-out multilingual-chat openings
+(`languages-TARGET-multilingual.json`) beside them (`languages_qwen.sh curves` names the variant's and its controls'
+packs). Every drafter sees the same batches of the same data, so token-passes are the budget's share of its steps (full
+budget: 5 M token-passes over 5,024 steps). A control's value is read at its last point only once its run has finished;
+Osprey's token-passes to reach it are interpolated linearly between Osprey's points (`qwen_curves.reaching`).
 """
 
 import argparse
@@ -175,13 +175,11 @@ def plot(report: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def packs(run: str, variant: str) -> dict[str, str]:
-    """Each drafter's folder under `benchmarks/checkpoints/RUN-TARGET`: for `languages`, the variant's and its
-    controls' (the variant without `-slow`, refused for the controls), else the drafter's own name."""
-    if run != "languages":
-        return {drafter: drafter for drafter in DRAFTERS}
-    controlled = variant.removesuffix("-slow")
-    return {"osprey": variant, "scratch": f"scratch-{controlled}", "eagle3": f"eagle3-{controlled}"}
+def drafter_pack(text: str) -> tuple[str, str]:
+    drafter, _, folder = text.partition("=")
+    if drafter not in DRAFTERS or not folder:
+        raise argparse.ArgumentTypeError(f"expected DRAFTER=FOLDER with DRAFTER one of {', '.join(DRAFTERS)}: {text!r}")
+    return drafter, folder
 
 
 def main() -> None:
@@ -190,7 +188,14 @@ def main() -> None:
         "--run", choices=("full-budget", "transfer", "languages"), default="full-budget", help="the driver's runs"
     )
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--variant", default="mixed-slow", help="languages: the Osprey variant (languages_qwen.sh's)")
+    parser.add_argument(
+        "--pack",
+        action="append",
+        default=[],
+        type=drafter_pack,
+        metavar="DRAFTER=FOLDER",
+        help="a drafter's pack folder under benchmarks/checkpoints/RUN-TARGET when not named DRAFTER (repeatable)",
+    )
     parser.add_argument(
         "--token-passes",
         type=int,
@@ -201,8 +206,10 @@ def main() -> None:
     results = ROOT / "benchmarks" / "results"
     run = f"{args.run}-{args.target}"
     token_passes = args.token_passes or {"full-budget": 5_000_000}.get(args.run, 1_250_000)
+    folders = dict(args.pack)
     curves = {}
-    for drafter, pack in packs(args.run, args.variant).items():
+    for drafter in DRAFTERS:
+        pack = folders.get(drafter, drafter)
         record = training_record(ROOT / "benchmarks" / "checkpoints" / run / pack)
         if record is not None:
             taus_at = (held_out_benches if args.run == "languages" else step_benches)(results, run, pack)

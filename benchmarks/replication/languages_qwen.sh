@@ -244,7 +244,9 @@ bench() {  # bench VARIANT: the one bench of VARIANT and its controls at the ful
 }
 
 curves() {  # curves VARIANT: the learning curves of VARIANT and its controls, and the sample efficiency
-  $PYTHON benchmarks/replication/full_budget_curves.py --run languages --variant "$1" --target $TARGET \
+  local run packs=()
+  for run in "$1" $(controls_of "$1"); do parse "$run" && packs+=(--pack "$KIND=$run"); done
+  $PYTHON benchmarks/replication/full_budget_curves.py --run languages "${packs[@]}" --target $TARGET \
     --token-passes "$FULL_BUDGET" --output "$RESULTS-curves" || return 1
   commit_results "Issue 54 languages ($TARGET): the curves of $1 and its controls, the sample efficiency" \
     "$RESULTS"-curves.*
