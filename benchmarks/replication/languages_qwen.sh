@@ -224,19 +224,19 @@ PY
   commit_results "Issue 54 languages ($TARGET): the table" "$RESULTS-table.md"
 }
 
-controls_of() {  # controls_of VARIANT: its controls' variants, on its data, vocabulary and replay (they refuse -slow)
-  echo "scratch-${1%-slow} eagle3-${1%-slow}"
+compared() {  # compared VARIANT: METHOD=RUN of VARIANT (osprey) and of its controls, on its data, vocabulary and
+  # replay (the controls refuse -slow)
+  echo "osprey=$1 scratch=scratch-${1%-slow} eagle3=eagle3-${1%-slow}"
 }
 
 bench() {  # bench VARIANT: the one bench of VARIANT and its controls at the full budget, the ratios, the curves
-  local run drafters=() bench=$RESULTS-bench.json
+  local pair drafters=() bench=$RESULTS-bench.json
   if screening; then log "bench compares full-budget runs: unset TOKEN_PASSES"; return 1; fi
-  for run in "$1" $(controls_of "$1"); do
-    finished "$run" || return 1  # unpacked from its committed pack on a fresh machine (stages.sh)
-    parse "$run"  # KIND: the bench's method name (osprey, scratch, eagle3)
-    drafters+=(--drafter "$KIND=$OUT/$run")
+  for pair in $(compared "$1"); do
+    finished "${pair#*=}" || return 1  # unpacked from its committed pack on a fresh machine (stages.sh)
+    drafters+=(--drafter "${pair%%=*}=$OUT/${pair#*=}")
   done
-  log "the bench ($1 as osprey, $(controls_of "$1")) -> $bench"
+  log "the bench ($(compared "$1")) -> $bench"
   three_drafter_bench "$bench" "${drafters[@]}" --baselines "" || return 1  # stages.sh
   commit_results "Issue 54 languages ($TARGET): the bench of $1 and its controls, and its ratios" "${bench%.json}".* \
     "${bench%.json}-ratios.txt"
@@ -244,8 +244,8 @@ bench() {  # bench VARIANT: the one bench of VARIANT and its controls at the ful
 }
 
 curves() {  # curves VARIANT: the learning curves of VARIANT and its controls, and the sample efficiency
-  local run packs=()
-  for run in "$1" $(controls_of "$1"); do parse "$run" && packs+=(--pack "$KIND=$run"); done
+  local pair packs=()
+  for pair in $(compared "$1"); do packs+=(--pack "$pair"); done
   $PYTHON benchmarks/replication/full_budget_curves.py --run languages "${packs[@]}" --target $TARGET \
     --token-passes "$FULL_BUDGET" --output "$RESULTS-curves" || return 1
   commit_results "Issue 54 languages ($TARGET): the curves of $1 and its controls, the sample efficiency" \
