@@ -173,8 +173,8 @@ def main() -> None:
     )
     print("|---|---:|" + "---:|" * (len(methods) + len(args.controls)))
     for group, entry in table.items():
-        cells = [f"{entry['tau'].get(m, float('nan')):.2f}" for m in methods]
-        cells += [f"{entry.get(f'{args.drafter}/{c}', float('nan')):.2f}x" for c in args.controls]
+        cells = [_cell(entry["tau"].get(m), "{:.2f}") for m in methods]  # –: a control not in this bench
+        cells += [_cell(entry.get(f"{args.drafter}/{c}"), "{:.2f}x") for c in args.controls]
         print(f"| {group} | {entry['num_prompts']} | " + " | ".join(cells) + " |")
     print()
     print("| group | method | acceptance at draft positions 1.. |\n|---|---|---|")
