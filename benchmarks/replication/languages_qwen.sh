@@ -235,7 +235,7 @@ bench() {  # bench VARIANT: the one bench of VARIANT and its controls at the ful
   local pair drafters=() bench=$RESULTS-bench.json
   if screening; then log "bench compares full-budget runs: unset TOKEN_PASSES"; return 1; fi
   for pair in $(compared "$1"); do
-    if [ "${pair%%=*}" != osprey ] && [ ! -f "$PACKED/${pair#*=}/final/osprey_pack.json" ]; then
+    if [ "${pair%%=*}" != osprey ] && ! trained "${pair#*=}"; then  # stages.sh
       log "${pair#*=} is not trained yet: the bench goes on without it (after train ${pair#*=}, rerun bench to add it)"
       continue
     fi

@@ -223,8 +223,12 @@ three_drafter_bench() {  # three_drafter_bench RESULTS ARGS...: the one bench of
   cat "${results%.json}-ratios.txt"
 }
 
+trained() {  # trained DRAFTER: its final model's pack is in $PACKED/DRAFTER (committed when COMMIT=1)
+  [ -f "$PACKED/$1/final/osprey_pack.json" ]
+}
+
 finished() {  # finished DRAFTER: its final model in $OUT/DRAFTER (trained here, or unpacked from its committed pack)
-  [ -f "$PACKED/$1/final/osprey_pack.json" ] || { log "$1 is not trained yet: run train $1"; return 1; }
+  trained "$1" || { log "$1 is not trained yet: run train $1"; return 1; }
   [ -f "$OUT/$1/model.safetensors" ] && return 0
   init "$1" && $OSPREY unpack --checkpoint "$PACKED/$1/final" --output "$OUT/$1"
 }
