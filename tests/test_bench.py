@@ -414,6 +414,33 @@ def test_replication_ratios_compare_only_prompts_every_method_finished():
     assert table["position_acceptance"] == {"osprey": [0.5, 0.5, 0.0], "scratch": [0.0, 0.0, 0.0]}
 
 
+def test_replication_ratios_split_non_english_by_the_script_of_the_answer():
+    """Per-script τ: a non-English prompt counts as Latin or other script by most letters of its answer (a Japanese
+    prompt answered in English is Latin), the same for every method; English prompts and a bench without the answers
+    get no split."""
+    ratios = _replication_ratios_module()
+
+    def request(method, prompt_id, language, tau, completion):
+        return {**_request(method, prompt_id, tau), "suite": "mmath", "category": language, "completion": completion}
+
+    requests = []
+    for method, tau in (("osprey", 1.5), ("scratch", 1.0)):
+        requests += [
+            request(method, "1", "ja", tau, "答えは 42 です。x = 6 * 7"),
+            request(method, "2", "ja", 2 * tau, "The answer is 42: x = 6 * 7 です"),
+            request(method, "3", "de", tau, "Die Antwort ist 42."),
+            request(method, "4", "en", tau, "答え"),  # English prompt: never in a script group
+        ]
+    table = ratios.ratios(requests, controls=("scratch",))
+    assert table["non-English"]["num_prompts"] == 3
+    assert table["non-English, Latin script"]["num_prompts"] == 2
+    assert table["non-English, Latin script"]["tau"] == {"osprey": pytest.approx(2.25), "scratch": pytest.approx(1.5)}
+    assert table["non-English, other scripts"]["num_prompts"] == 1
+    assert table["non-English, other scripts"]["osprey/scratch"] == pytest.approx(1.5)
+    without_answers = [{k: v for k, v in row.items() if k != "completion"} for row in requests]
+    assert "non-English, Latin script" not in ratios.ratios(without_answers, controls=("scratch",))
+
+
 def test_replication_ratios_join_another_bench_only_when_both_decoded_alike():
     ratios = _replication_ratios_module()
     settings = {"do_sample": False, "max_new_tokens": 64}

@@ -7,9 +7,12 @@ tokens and time, the mean chain length and the cost of a draft token and of a ve
 
 Groups (issue 6): out of domain = Spec-Bench translation and math_reasoning, HumanEval, MMATH, and MT-Bench in
 languages other than English; non-English = MT-Bench and MMATH in other languages than English, and the held-out
-`multilingual_chat` openings (issue 54). τ of a group is the
-mean over its requests (per-request τ, as everywhere in `osprey bench`). Only prompts that every method finished are
-compared, so a bench that was stopped early still compares like with like (the script says how many it left out).
+`multilingual_chat` openings (issue 54); non-English prompts are split again by the script most letters of the
+target's answer are in (Latin or another: the per-script τ of issue 54; greedy outputs equal the target's, so the
+split is the same for every method). τ of a group is the mean over its requests (per-request τ, as everywhere in
+`osprey bench`). Only prompts that every method finished are compared, so a bench that was stopped early still
+compares like with like (the script says how many it left out). The costs table lists the compared methods (and the
+target alone).
 
 `--also OTHER.json` (repeatable) adds the drafters of another greedy bench on the same prompts to the τ table (not to
 the costs: times from two runs do not compare), chains and trees alike. Greedy τ does not depend on the run, but only
@@ -17,11 +20,22 @@ if both decoded alike, so the target-alone outputs of the two runs must be ident
 """
 
 import argparse
+import collections
 import json
 import statistics
 
 from osprey.bench import DRAFTER_KINDS, saved_settings
 from osprey.bench_report import position_acceptance
+from osprey.ground import letter_script
+
+GROUPS = (
+    "overall",
+    "in domain",
+    "out of domain",
+    "non-English",
+    "non-English, Latin script",
+    "non-English, other scripts",
+)
 
 
 def _prompt_key(row: dict) -> tuple[str, str, str]:
@@ -63,13 +77,22 @@ def with_drafters_from(results: dict, other: dict) -> dict:
     }
 
 
-def group_of(row: dict) -> set[str]:
+def answer_script(text: str) -> str | None:
+    """The Unicode script of most of the letters of `text` (`LATIN`, `CJK`, `ARABIC`...), None without letters."""
+    scripts = collections.Counter(letter_script(ch) for ch in text if ch.isalpha())
+    return scripts.most_common(1)[0][0] if scripts else None
+
+
+def group_of(row: dict, script: str | None = None) -> set[str]:
+    """The groups of a request; `script`, that of its prompt's answer, splits the non-English ones (none: no split)."""
     suite, category = row["suite"], row["category"]
     groups = {"overall"}
     # multilingual_chat: the held-out openings of the multilingual-chat corpus, all in languages other than English
     non_english = (suite in ("mt_bench", "mmath") and category != "en") or suite == "multilingual_chat"
     if non_english:
         groups.add("non-English")
+        if script is not None:
+            groups.add("non-English, Latin script" if script == "LATIN" else "non-English, other scripts")
     if non_english or suite in ("humaneval", "mmath") or category in ("translation", "math_reasoning"):
         groups.add("out of domain")
     else:
@@ -79,19 +102,24 @@ def group_of(row: dict) -> set[str]:
 
 def ratios(requests: list[dict], drafter: str = "osprey", controls=("scratch", "eagle3")) -> dict:
     """Per group: each method's mean τ and acceptance at each draft position (`osprey bench`'s: among the steps
-    that drafted a k-th token, the share that accepted it, over all the group's steps), and the drafter's τ ratios."""
+    that drafted a k-th token, the share that accepted it, over all the group's steps), and the drafter's τ ratios.
+    A prompt's answer script is read from its first request with a `completion` (greedy: every method's is the same)."""
+    scripts: dict[tuple[str, str, str], str | None] = {}
+    for row in requests:
+        if row.get("completion") is not None:
+            scripts.setdefault(_prompt_key(row), answer_script(row["completion"]))
     taus: dict[tuple[str, str], list[float]] = {}
     steps: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
     for row in requests:
         if row["tau"] is None:
             continue
-        for group in group_of(row):
+        for group in group_of(row, scripts.get(_prompt_key(row))):
             taus.setdefault((row["method"], group), []).append(row["tau"])
             accepted, drafted = steps.setdefault((row["method"], group), ([], []))
             accepted += row["accepted_per_step"]
             drafted += row["drafted_per_step"]
     table = {}
-    for group in ("overall", "in domain", "out of domain", "non-English"):
+    for group in GROUPS:
         if (drafter, group) not in taus:
             continue
         entry = {"num_prompts": len(taus[drafter, group]), "tau": {}, "position_acceptance": {}}
@@ -188,6 +216,8 @@ def main() -> None:
     )
     print("|---|---:|---:|---:|---:|---:|")
     for method, entry in costs([row for row in requests if row["method"] in own_methods]).items():
+        if method not in (*methods, "target"):  # the other shape's drafters and the baselines: their own call
+            continue
         cells = [
             _cell(entry["speedup"], "{:.2f}x"),
             f"{entry['mean_drafts_per_step']:.2f}",
