@@ -5,12 +5,14 @@
 - output folders: refusing to overwrite what a user saved (`require_empty_output_dir`), and the license notices that
   travel with every derived checkpoint (`is_notice`, `copy_notices`);
 - reading one tensor of a checkpoint without loading the model (`read_input_embedding`);
-- the script a letter is written in (`letter_script`), for the corpora's and the benchmarks' script counts.
+- the script a letter is written in (`letter_script`) and the one most of a text's letters are in (`text_script`), for
+  the corpora's and the benchmarks' script counts.
 
 Model loading by zoo name, directory or Hub id is `osprey.zoo` (it builds on this module), and drafter loading is
 `osprey.pack.load_drafter`.
 """
 
+import collections
 import os
 import shutil
 import subprocess
@@ -122,3 +124,9 @@ def letter_script(ch: str) -> str:
     """The Unicode script of a letter, the first word of its character name (`LATIN`, `CJK`, `HANGUL`, `ARABIC`...);
     ASCII letters are `LATIN`, letters without a name `UNKNOWN`."""
     return "LATIN" if ch.isascii() else unicodedata.name(ch, "UNKNOWN").split()[0]
+
+
+def text_script(text: str) -> str | None:
+    """The script most of `text`'s letters are written in (`letter_script`'s names), None without letters."""
+    counts = collections.Counter(letter_script(ch) for ch in text if ch.isalpha())
+    return counts.most_common(1)[0][0] if counts else None

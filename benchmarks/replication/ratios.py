@@ -20,13 +20,12 @@ if both decoded alike, so the target-alone outputs of the two runs must be ident
 """
 
 import argparse
-import collections
 import json
 import statistics
 
 from osprey.bench import DRAFTER_KINDS, saved_settings
 from osprey.bench_report import position_acceptance
-from osprey.ground import letter_script
+from osprey.ground import text_script
 
 GROUPS = (
     "overall",
@@ -77,12 +76,6 @@ def with_drafters_from(results: dict, other: dict) -> dict:
     }
 
 
-def answer_script(text: str) -> str | None:
-    """The Unicode script of most of the letters of `text` (`LATIN`, `CJK`, `ARABIC`...), None without letters."""
-    scripts = collections.Counter(letter_script(ch) for ch in text if ch.isalpha())
-    return scripts.most_common(1)[0][0] if scripts else None
-
-
 def group_of(row: dict, script: str | None = None) -> set[str]:
     """The groups of a request; `script`, that of its prompt's answer, splits the non-English ones (none: no split)."""
     suite, category = row["suite"], row["category"]
@@ -107,7 +100,7 @@ def ratios(requests: list[dict], drafter: str = "osprey", controls=("scratch", "
     scripts: dict[tuple[str, str, str], str | None] = {}
     for row in requests:
         if row.get("completion") is not None:
-            scripts.setdefault(_prompt_key(row), answer_script(row["completion"]))
+            scripts.setdefault(_prompt_key(row), text_script(row["completion"]))
     taus: dict[tuple[str, str], list[float]] = {}
     steps: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
     for row in requests:

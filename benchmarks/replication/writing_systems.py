@@ -16,13 +16,7 @@ import collections
 
 from datasets import load_dataset
 
-from osprey.ground import letter_script
-
-
-def script_of(text: str) -> str:
-    """The script most of TEXT's letters are written in, or `none` without letters."""
-    counts = collections.Counter(letter_script(ch) for ch in text if ch.isalpha())
-    return counts.most_common(1)[0][0] if counts else "none"
+from osprey.ground import text_script
 
 
 def first_turn(messages: list[dict], role: str) -> str:
@@ -34,7 +28,7 @@ def count_scripts(rows) -> dict[str, collections.Counter]:
     counts = {"user": collections.Counter(), "assistant": collections.Counter()}
     for row in rows:
         for role, counter in counts.items():
-            counter[script_of(first_turn(row["messages"], role))] += 1
+            counter[text_script(first_turn(row["messages"], role)) or "none"] += 1
     return counts
 
 
