@@ -95,22 +95,36 @@ def rounding_bound(logits, head_input, head_weight, best: int, other: int, dtype
 @contextmanager
 def upcast(model, dtype: torch.dtype = torch.float32):
     """`model` with its floating-point parameters and buffers in `dtype` inside the block, and each back in its own
-    dtype after, bit-identical (bf16 -> float32 -> bf16 is exact). Not `model.to`: a bf16 model keeps some buffers in
-    float32 (rotary frequencies), which `model.to(bfloat16)` would round."""
+    dtype after, bit-identical: only casts `dtype` holds exactly are allowed (bf16 -> float32 -> bf16 is exact), so
+    casting back restores every value. Not `model.to`: a bf16 model keeps some buffers in float32 (rotary
+    frequencies), which `model.to(bfloat16)` would round.
+
+    On any exception, in the block or during the cast itself (running out of memory halfway, the likeliest failure),
+    every tensor cast so far is put back before the exception propagates, so the model is never left in mixed
+    dtypes. Parameters stay the same `Parameter` objects (their data is cast back rather than kept, so the original
+    copy does not cost memory inside the block); buffers get their original tensor objects back."""
     tensors = [
-        (module, kind, name, tensor.dtype)
+        (module, kind, name, tensor, tensor.dtype)
         for module in model.modules()
         for kind in ("_parameters", "_buffers")
         for name, tensor in getattr(module, kind).items()
         if tensor is not None and tensor.is_floating_point()
     ]
-    for module, kind, name, _ in tensors:
-        _cast(module, kind, name, dtype)
+    inexact = sorted({str(own) for *_, own in tensors if torch.promote_types(own, dtype) != dtype})
+    if inexact:
+        raise ValueError(f"upcast to {dtype} would round tensors in {', '.join(inexact)}: it only widens")
+    cast = []
     try:
+        for module, kind, name, tensor, own in tensors:
+            cast.append((module, kind, name, tensor, own))  # a cast that fails leaves its tensor as it was
+            _cast(module, kind, name, dtype)
         yield model
     finally:
-        for module, kind, name, own in tensors:
-            _cast(module, kind, name, own)
+        for module, kind, name, tensor, own in reversed(cast):
+            if kind == "_parameters":
+                _cast(module, kind, name, own)
+            else:
+                module._buffers[name] = tensor
 
 
 def _cast(module, kind: str, name: str, dtype: torch.dtype) -> None:

@@ -2,6 +2,7 @@
 differing token, "near tie" within the rounding bound and "UNEXPLAINED" beyond it; a bench run in bf16 labels its
 differences and a deliberately wrong verification (accepting a non-argmax token) is flagged, not excused."""
 
+import pytest
 import torch
 from conftest import make_tiny_target
 from test_bench import PROMPTS
@@ -34,6 +35,65 @@ def test_upcast_gives_the_model_back_bit_identical():
     assert after.keys() == before.keys() and "model.rotary_emb.inv_freq" in after
     assert all(after[name].dtype == before[name].dtype and torch.equal(after[name], before[name]) for name in before)
     assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0), greedy)
+
+
+def _bf16_target_and_its_tensors():
+    target = make_tiny_target("qwen2").to(torch.bfloat16)
+    target.model.rotary_emb.inv_freq = target.model.rotary_emb.inv_freq.float()  # as from_pretrained(dtype=bf16) has it
+    tensors = {name: (tensor, tensor.dtype, tensor.clone()) for name, tensor in _named_tensors(target).items()}
+    return target, tensors
+
+
+def _named_tensors(model) -> dict:
+    return dict([*model.named_parameters(), *model.named_buffers()])
+
+
+def _is_as_before(model, tensors: dict) -> bool:
+    now = _named_tensors(model)
+    return now.keys() == tensors.keys() and all(
+        now[name].dtype == dtype and torch.equal(now[name], values) for name, (_, dtype, values) in tensors.items()
+    )
+
+
+@pytest.mark.parametrize("failing_cast", [1, 7, 20])
+def test_upcast_leaves_the_model_as_it_was_when_the_cast_itself_fails(monkeypatch, failing_cast):
+    """Running out of memory halfway through the cast (here: the n-th tensor cast to float32 raises) puts back every
+    tensor already cast before the error propagates: no parameter or buffer is left in float32."""
+    target, tensors = _bf16_target_and_its_tensors()
+    floating = sum(1 for _ in target.parameters()) + sum(1 for _ in target.buffers())
+    assert failing_cast < floating  # the failure comes with some tensors cast and some not
+    to, calls = torch.Tensor.to, []
+
+    def to_running_out_of_memory(tensor, *args, **kwargs):
+        if torch.float32 in (*args, kwargs.get("dtype")):
+            calls.append(tensor.dtype)
+            if len(calls) == failing_cast:
+                raise RuntimeError("out of memory (forced)")
+        return to(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to_running_out_of_memory)
+    with pytest.raises(RuntimeError, match="forced"), upcast(target):
+        pytest.fail("the block must not run")
+    monkeypatch.undo()
+    assert len(calls) == failing_cast
+    assert _is_as_before(target, tensors)
+    assert all(tensor is _named_tensors(target)[name] for name, (tensor, *_) in tensors.items())
+
+
+def test_upcast_leaves_the_model_as_it_was_when_the_block_fails():
+    target, tensors = _bf16_target_and_its_tensors()
+    with pytest.raises(KeyError), upcast(target):
+        assert next(target.parameters()).dtype == torch.float32
+        raise KeyError("in the block")
+    assert _is_as_before(target, tensors)
+
+
+def test_upcast_refuses_a_cast_that_would_round():
+    target, tensors = _bf16_target_and_its_tensors()
+    float16 = upcast(target, torch.float16)  # bf16 and float32 values are not all float16 values
+    with pytest.raises(ValueError, match="would round tensors in torch.bfloat16, torch.float32"), float16:
+        pytest.fail("the block must not run")
+    assert _is_as_before(target, tensors)
 
 
 def test_a_tie_is_explained_and_a_clear_margin_is_not():
