@@ -13,7 +13,8 @@ Forward hooks also time the target's prefill and verification calls and the draf
 
 Greedy outputs that differ from the target alone's are labelled after the run (`label_divergences`): "near tie" when
 the target's float32 margin at the first differing token is within what rounding in the run's dtype can move it,
-"UNEXPLAINED" otherwise, which makes `osprey bench` exit with status 1.
+"UNEXPLAINED" otherwise, which makes `osprey bench` exit with status 1; so does a difference left "not checked"
+(the target did not fit in float32, or the token ids could not be had) unless `--allow-unchecked` is passed.
 
 Results are saved after every request; re-running with the same `--output` skips the requests already there.
 """
@@ -33,7 +34,14 @@ from tqdm.auto import tqdm
 from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
 from modeling_osprey.decoding_osprey import default_tree_size
 
-from .bench_report import exit_status, save_report, summarize
+from .bench_report import (
+    ALLOW_UNCHECKED_FLAG,
+    UNCHECKED,
+    add_allow_unchecked_argument,
+    exit_status,
+    save_report,
+    summarize,
+)
 from .bench_suites import CORPUS_SUITES, SUITES, BenchPrompt, load_suite, select_subset
 from .decode import add_decoding_arguments, encode_prompt, speculative_generate, target_generate
 from .near_tie import explain, first_divergence, upcast
@@ -416,8 +424,9 @@ def label_divergences(target, tokenizer, results: dict, prompts: list[BenchPromp
                 row["divergence"] = explained[same]
     except torch.OutOfMemoryError:  # a large target in float32 may not fit an accelerator; the run's results stand
         warnings.warn(
-            "Not enough device memory to run the target in float32, so differing outputs are left unlabelled ('not "
-            "checked'): label them on a larger device with benchmarks/numerics/label_differences.py.",
+            f"Not enough device memory to run the target in float32, so differing outputs are left unlabelled "
+            f"('{UNCHECKED}', which fails the run unless {ALLOW_UNCHECKED_FLAG}): label them on a larger device with "
+            "benchmarks/numerics/label_differences.py.",
             stacklevel=2,
         )
 
@@ -619,6 +628,7 @@ def add_subcommand(subparsers) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output", required=True, help="results JSON (resumed if it exists); .md and .png beside it")
+    add_allow_unchecked_argument(parser)
     parser.set_defaults(run=_run_bench)
 
 
@@ -663,4 +673,4 @@ def _run_bench(args) -> int:
     )
     markdown = save_report(results, Path(args.output))
     print(markdown)
-    return exit_status(results)
+    return exit_status(results, args.allow_unchecked)

@@ -136,10 +136,20 @@ def _cast(module, kind: str, name: str, dtype: torch.dtype) -> None:
 
 
 @torch.no_grad()
-def explain(target, prompt_ids: torch.LongTensor, reference: list[int], output: list[int], dtype=None):
+def explain(target, prompt_ids: torch.LongTensor, reference: list[int], output: list[int], dtype: torch.dtype):
     """The `Divergence` of `output` (new tokens) from `reference` (the target alone's new tokens, same prompt), or
-    None where they are equal. The target must already be in float32 (see `upcast`); `dtype` is the one both
-    decodings ran in (the rounding the bound allows)."""
+    None where they are equal. The target must already be in float32 (see `upcast`; a ValueError otherwise);
+    `dtype` is the one both decodings ran in (the rounding the bound allows), required because the bound depends on
+    it."""
+    if dtype not in UNIT_ROUNDOFF:
+        raise ValueError(f"explain needs the dtype both decodings ran in, one of {list(UNIT_ROUNDOFF)}; got {dtype}")
+    own = sorted(
+        {str(tensor.dtype) for tensor in target.parameters() if tensor.is_floating_point()} - {"torch.float32"}
+    )
+    if own:
+        raise ValueError(
+            f"explain needs the target in float32 (see `upcast`); it has parameters in {', '.join(sorted(own))}"
+        )
     position = first_divergence(reference, output)
     if position is None:
         return None
@@ -162,7 +172,5 @@ def explain(target, prompt_ids: torch.LongTensor, reference: list[int], output: 
     best = int(logits.argmax())
     lower = min((expected, got), key=lambda token: float(logits[token]))
     margin = float(logits[best] - logits[lower])
-    bound = rounding_bound(
-        logits, captured["input"], head.weight, best, lower, dtype or torch.bfloat16, target.config.num_hidden_layers
-    )
+    bound = rounding_bound(logits, captured["input"], head.weight, best, lower, dtype, target.config.num_hidden_layers)
     return Divergence(position, expected, got, margin, bound)

@@ -19,8 +19,9 @@ import torch
 from allowlist import PAGE_SETTINGS, ModelCatalog
 from transformers.generation.streamers import BaseStreamer
 
+from osprey.bench_report import UNCHECKED, fails
 from osprey.decode import SpeculativeStats, encode_prompt, speculative_generate, target_generate
-from osprey.near_tie import NEAR_TIE, UNEXPLAINED, explain, first_divergence, upcast
+from osprey.near_tie import UNEXPLAINED, explain, first_divergence, upcast
 from osprey.pack import custom_generate_folder
 
 APP_DIR = Path(__file__).resolve().parent
@@ -437,18 +438,29 @@ def _stream_osprey(request: _Request):
 def difference_note(request: _Request, osprey_ids: list[int], target_ids: list[int]) -> str:
     """For a greedy run whose output differs from the target alone's: where, and whether rounding explains it
     (`osprey.near_tie`: the target's float32 margin at the first differing token against the bound for its dtype).
-    Empty when the outputs are equal or when sampling (where they differ by design)."""
-    if request.temperature > 0 or first_divergence(target_ids, osprey_ids) is None:
+    A difference the check cannot examine (the target does not fit in float32 on this device) is "not checked", which
+    the page reports as failing like UNEXPLAINED (`osprey.bench_report.fails`). Empty when the outputs are equal or
+    when sampling (where they differ by design)."""
+    position = first_divergence(target_ids, osprey_ids)
+    if request.temperature > 0 or position is None:
         return ""
     dtype = next(request.target.parameters()).dtype
-    with request.lock, upcast(request.target):
-        divergence = explain(request.target, request.input_ids, target_ids, osprey_ids, dtype)
-    reading = (
-        "a near tie, which rounding in this dtype can flip (a verification forward over several tokens rounds "
-        "differently from a one-token step), not a drafting error"
-        if divergence.label == NEAR_TIE
-        else f"{UNEXPLAINED}: more than rounding can move, a decoding bug (please report it)"
-    )
+    try:
+        with request.lock, upcast(request.target):
+            divergence = explain(request.target, request.input_ids, target_ids, osprey_ids, dtype)
+    except torch.OutOfMemoryError:  # upcast has put the target back as it was
+        return (
+            f"<p><b>The outputs differ from new token {position}</b>, {UNCHECKED}: the target does not fit in float32 "
+            "here to check whether rounding explains it, so the output is not vouched for (a failure, like "
+            f"{UNEXPLAINED}).</p>"
+        )
+    if not fails(divergence.label):
+        reading = (
+            "a near tie, which rounding in this dtype can flip (a verification forward over several tokens rounds "
+            "differently from a one-token step), not a drafting error"
+        )
+    else:
+        reading = f"{UNEXPLAINED}: more than rounding can move, a decoding bug (please report it)"
     return (
         f"<p><b>The outputs differ from new token {divergence.position}</b> (the target's float32 margin there "
         f"{divergence.margin:.3f}, rounding bound {divergence.bound:.3f}): {reading}.</p>"

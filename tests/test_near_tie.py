@@ -2,16 +2,21 @@
 differing token, "near tie" within the rounding bound and "UNEXPLAINED" beyond it; a bench run in bf16 labels its
 differences and a deliberately wrong verification (accepting a non-argmax token) is flagged, not excused."""
 
+import json
+
 import pytest
 import torch
 from conftest import make_tiny_target
-from test_bench import PROMPTS
+from test_bench import PROMPTS, _write_jsonl
 from test_decoding import near_copy_pair
 from test_trainers import char_tokenizer
 
 import modeling_osprey.decoding_osprey as decoding_osprey
+import osprey.bench
+import osprey.demo
 from osprey.bench import BenchMethod, BenchSettings, output_sha256, output_token_ids, run_benchmark
-from osprey.bench_report import DIFFERENCES_NOTE, markdown_table
+from osprey.bench_report import DIFFERENCES_NOTE, UNCHECKED, exit_status, fails, markdown_table
+from osprey.cli import main
 from osprey.near_tie import NEAR_TIE, UNEXPLAINED, Divergence, explain, first_divergence, rounding_bound, upcast
 
 
@@ -64,14 +69,14 @@ def test_upcast_leaves_the_model_as_it_was_when_the_cast_itself_fails(monkeypatc
     assert failing_cast < floating  # the failure comes with some tensors cast and some not
     to, calls = torch.Tensor.to, []
 
-    def to_running_out_of_memory(tensor, *args, **kwargs):
+    def to_runningout_of_memory(tensor, *args, **kwargs):
         if torch.float32 in (*args, kwargs.get("dtype")):
             calls.append(tensor.dtype)
             if len(calls) == failing_cast:
                 raise RuntimeError("out of memory (forced)")
         return to(tensor, *args, **kwargs)
 
-    monkeypatch.setattr(torch.Tensor, "to", to_running_out_of_memory)
+    monkeypatch.setattr(torch.Tensor, "to", to_runningout_of_memory)
     with pytest.raises(RuntimeError, match="forced"), upcast(target):
         pytest.fail("the block must not run")
     monkeypatch.undo()
@@ -111,12 +116,23 @@ def test_a_tie_is_explained_and_a_clear_margin_is_not():
     with torch.no_grad():  # make the two best tokens tie up to float32 rounding
         head = target.get_output_embeddings().weight
         head[second] = head[best] * (1 + 2**-12)
-    tie = explain(target, prompt_ids, [best], [second])
+    tie = explain(target, prompt_ids, [best], [second], torch.bfloat16)
     assert tie.margin <= tie.bound and tie.label == NEAR_TIE
     assert Divergence.from_dict(tie.to_dict()) == tie and tie.to_dict()["label"] == NEAR_TIE
-    assert explain(target, prompt_ids, [best], [best]) is None
-    short = explain(target, prompt_ids, [best, 4], [best])  # the output stopped where the target's went on
+    assert explain(target, prompt_ids, [best], [best], torch.bfloat16) is None
+    short = explain(
+        target, prompt_ids, [best, 4], [best], torch.bfloat16
+    )  # the output stopped where the target's went on
     assert short.label == UNEXPLAINED and "length" in short.describe()
+
+
+def test_explain_needs_the_decodings_dtype_and_a_float32_target():
+    target = make_tiny_target("llama")
+    prompt_ids = torch.tensor([[3, 17, 42, 9]])
+    with pytest.raises(ValueError, match="needs the dtype both decodings ran in"):
+        explain(target, prompt_ids, [5], [6], None)
+    with pytest.raises(ValueError, match="needs the target in float32.*bfloat16"):
+        explain(target.to(torch.bfloat16), prompt_ids, [5], [6], torch.bfloat16)
 
 
 def test_the_bound_grows_with_the_dtypes_rounding_and_the_depth():
@@ -178,3 +194,53 @@ def test_token_ids_of_older_results_are_rebuilt_only_when_their_hash_agrees():
     assert output_token_ids(row, tokenizer, [eos]) == ids + [eos]
     assert output_token_ids(row | {"output_ids": [1, 2]}, tokenizer, [eos]) == [1, 2]  # saved ids are taken as they are
     assert output_token_ids(row | {"output_sha256": output_sha256([7, 7, 7])}, tokenizer, [eos]) is None
+
+
+def out_of_memory(model, dtype=torch.float32):
+    raise torch.OutOfMemoryError("forced: the target does not fit in float32")
+
+
+def test_a_difference_left_unchecked_fails_bench_and_demo_unless_allowed(monkeypatch, tmp_path, capsys):
+    """One exit rule: a differing output no check examined ("not checked"; here the float32 pass runs out of
+    memory) fails `osprey bench` and `osprey demo` like UNEXPLAINED, unless --allow-unchecked is passed."""
+    target, drafter = near_copy_pair("llama")
+    tokenizer = char_tokenizer()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    _write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p.text, "category": p.category} for p in PROMPTS])
+    take_the_second_best(monkeypatch)  # every output differs
+    monkeypatch.setattr(osprey.bench, "upcast", out_of_memory)
+    argv = ["bench", "--target", str(tmp_path / "target"), "--drafter", f"osprey={tmp_path / 'drafter'}"]
+    argv += ["--prompts", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "8", "--device", "cpu"]
+    with pytest.warns(UserWarning, match="not checked"):
+        assert main([*argv, "--output", str(tmp_path / "unchecked.json")]) == 1
+    assert "--allow-unchecked" in capsys.readouterr().err
+    results = json.loads((tmp_path / "unchecked.json").read_text())
+    record = next(r for r in results["records"] if r["method"] == "osprey" and r["category"] == "overall")
+    assert record["differences"][UNCHECKED] == len(PROMPTS) and f"{len(PROMPTS)} {UNCHECKED}" in markdown_table(results)
+    with pytest.warns(UserWarning, match="not checked"):
+        assert main([*argv, "--output", str(tmp_path / "allowed.json"), "--allow-unchecked"]) == 0
+
+    monkeypatch.setattr(osprey.demo, "run_demo", lambda *args, **kwargs: results)
+    assert main(["demo"]) == 1
+    assert main(["demo", "--allow-unchecked"]) == 0
+
+
+def test_the_exit_rule_fails_unexplained_always_and_not_checked_unless_allowed():
+    assert not fails(NEAR_TIE) and not fails(NEAR_TIE, allow_unchecked=True)
+    assert fails(UNEXPLAINED) and fails(UNEXPLAINED, allow_unchecked=True)
+    assert fails(UNCHECKED) and not fails(UNCHECKED, allow_unchecked=True)
+    row = {"suite": "toy", "category": "chat", "prompt_id": "1", "output_sha256": "a"}
+    base = {"methods": {"target": "target", "osprey": "drafter:x"}, "settings": {"do_sample": False}}
+    target_row = row | {"method": "target"}
+
+    def status(divergence: dict, **settings) -> int:
+        osprey_row = row | {"method": "osprey", "output_sha256": "b"} | divergence
+        results = base | {"requests": [target_row, osprey_row], "settings": {"do_sample": False} | settings}
+        return exit_status(results)
+
+    assert status({"divergence": {"label": NEAR_TIE}}) == 0
+    assert status({"divergence": {"label": UNEXPLAINED}}) == 1
+    assert status({}) == status({"divergence": None}) == 1  # differs, never labelled: not checked
+    assert status({}, do_sample=True) == 0  # sampled outputs differ by design

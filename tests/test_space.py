@@ -14,7 +14,7 @@ import torch
 from gradio_client import Client
 from PIL import Image
 from test_decoding import near_copy_pair, random_drafter
-from test_near_tie import take_the_second_best
+from test_near_tie import out_of_memory, take_the_second_best
 from test_vocab_alignment import byte_level_tokenizer
 
 from osprey.decode import speculative_generate
@@ -93,6 +93,18 @@ def test_a_differing_output_is_labelled_by_its_float32_margin(space, tiny_models
     final = dict(zip(OUTPUT_NAMES, list(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 40))[-1]))
     assert "The outputs differ from new token" in final["tree"]
     assert re.search(r"margin there \d+\.\d+, rounding bound \d+\.\d+\): (a near tie|UNEXPLAINED)", final["tree"])
+
+
+def test_a_difference_the_check_cannot_examine_is_reported_as_failing(space, tiny_models, monkeypatch):
+    """The exit rule of `osprey bench` (`osprey.bench_report.fails`): a difference left "not checked" (here the
+    target does not fit in float32) is shown as a failure like UNEXPLAINED, not as a near tie."""
+    import live_decoding
+
+    take_the_second_best(monkeypatch)
+    monkeypatch.setattr(live_decoding, "upcast", out_of_memory)
+    final = dict(zip(OUTPUT_NAMES, list(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 40))[-1]))
+    note = r"The outputs differ from new token \d+</b>, not checked: .*a failure, like UNEXPLAINED"
+    assert re.search(note, final["tree"])
 
 
 def test_early_stop_shortens_the_chains_and_keeps_the_output(space, tiny_models):
