@@ -41,11 +41,10 @@ from .generation_osprey import (
 )
 from .target_features import TargetFeatureCapture
 
-# Trees on a CPU: its verification forward is compute-bound (SmolLM2-135M on a shared 2-core machine: 53 ms for 1
-# token, 240 ms for 6), so small trees pay; picked on held-out prompts (benchmarks/results/tree-defaults/smollm2.json:
-# draft_topk 3, tree_size 4 had the best tokens/s of a 2..3 x 4..12 grid; Qwen2.5-Coder-1.5B in bf16 chose the same
-# over 8 nodes with a weaker drafter, and 8 over 4 with a better one, 2.00x against 1.94x the target alone:
-# benchmarks/results/tree-defaults/qwen2.5-coder-1.5b-instruct{-round2,}.json; `osprey demo` uses each target's own).
+# Trees on a CPU: its verification forward is compute-bound (its cost grows with every token verified;
+# docs/decoding.md), so small trees pay: branching 3 and 4 nodes, chosen for tokens/s on held-out prompts
+# (`benchmarks/trees/tune_defaults.py`; a better drafter may pay for more nodes, and `osprey demo` uses each target's
+# own).
 # On accelerators verification is memory-bound and wide trees are nearly free: there the default is
 # `num_draft_tokens * draft_topk` nodes.
 CPU_DRAFT_TOPK, CPU_TREE_SIZE = 3, 4

@@ -21,10 +21,10 @@ from .pack import DRAFTER_QUANTIZATIONS, load_drafter
 from .zoo import ZOO, is_cached, load_causal_lm, load_tokenizer
 
 QWEN_DEMO_DRAFTER_DIR = Path(__file__).parent / "demo_drafter_qwen"
-# Drafters kept in the repository, not shipped (paths in a clone): the SmolLM2 pilot is 0.84x its target alone.
+# Drafters kept in the repository, not shipped (paths in a clone): the SmolLM2 pilot is slower than its target alone.
 REPOSITORY_DRAFTERS = {"smollm2-135m-instruct": "benchmarks/checkpoints/pilot-smollm2-135m-instruct"}
-# Early stop after an unsure draft, for a --drafter the user gives (chains): on the pilot it kept 98% of τ for a
-# quarter of the draft steps (docs/results.md).
+# Early stop after an unsure draft, for a --drafter the user gives (chains): it keeps nearly all of τ and skips most
+# draft steps (docs/results.md, "Early stop").
 DEMO_CONFIDENCE_THRESHOLD = 0.3
 
 

@@ -145,8 +145,9 @@ def load_drafter(
 
     `quantization="int8"` (CPU only) runs the drafter's linear layers as PyTorch's dynamic int8 ones (int8 weights,
     activations quantized per call) and the rest in float32, whatever `dtype`: a drafting step on a CPU reads every
-    weight for a handful of tokens, so it costs about the weights' bytes, and int8 drafts 2-2.4x faster than bfloat16
-    here (`benchmarks/drafting_cost.py`). The drafts change a little; the output does not (the target verifies)."""
+    weight for a handful of tokens, so it costs about the weights' bytes, and int8 drafts about twice as fast as
+    bfloat16 (`benchmarks/drafting_cost.py` times both; docs/decoding.md). The drafts change a little; the output
+    does not (the target verifies)."""
     if quantization not in DRAFTER_QUANTIZATIONS:
         raise ValueError(
             f"Unknown drafter quantization {quantization!r}: choose from {', '.join(DRAFTER_QUANTIZATIONS)}."

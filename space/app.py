@@ -17,9 +17,8 @@ from allowlist import PAGE_SETTINGS, ModelCatalog
 from live_decoding import ACCEPTED, APP_DIR, ROUTES, TARGET, OspreySpace
 
 EXAMPLES = [  # (label, prompt): the categories and languages where drafters differ most
-    # The page opens on the first: `osprey demo`'s chat prompt, 2.00x the target alone there with the shipped drafter
-    # and settings on 2 CPU cores (benchmarks/results/demo-shipped-full-budget/fresh-demo-int8.md; 1.81-2.17x in four
-    # runs of the page, space/README.md).
+    # The page opens on the first: `osprey demo`'s chat prompt, where the shipped drafter with its settings is well
+    # ahead of the target alone on a CPU (space/README.md).
     ("chat · en", "Give me three tips for staying focused while working from home."),
     ("code · en", "Write a Python function that returns True when a string is a palindrome, ignoring case."),
     ("code · en", "Write an SQL query listing each customer's three most recent orders."),

@@ -27,7 +27,7 @@ def random_drafter(target, seed: int = 0, **overrides) -> OspreyForDrafting:
 
 
 # How much of each block's output the near-copy target keeps: enough for context to matter, little enough that a
-# bigram drafter agrees with it most of the time (measured: 50-80% of greedy tokens).
+# bigram drafter agrees with it on most greedy tokens (50-80%).
 NEAR_COPY_BLOCK_SCALE = {"llama": 0.003, "qwen2": 0.003, "qwen3": 0.003, "minimax_m2": 0.003, "gemma3": 0.3}
 
 

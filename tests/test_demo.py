@@ -152,7 +152,7 @@ def test_packaged_drafter_drafts_for_the_real_target(smollm2_cache, monkeypatch,
     outputs = {(row["method"], row["prompt_id"]): row["output_sha256"] for row in results["requests"]}
     assert all(outputs["osprey", p.prompt_id] == outputs["target", p.prompt_id] for p in DEMO_PROMPTS)
     overall = next(r for r in results["records"] if r["method"] == "osprey" and r["category"] == "overall")
-    assert overall["tau"] > 1.05, overall  # measured: 1.18 at 96 new tokens
+    assert overall["tau"] > 1.05, overall  # its drafts are accepted, with headroom for noise
 
 
 @pytest.mark.network
@@ -168,7 +168,7 @@ def test_demo_in_bf16_explains_every_difference_and_fails_on_a_wrong_verificatio
         return [row["divergence"]["label"] for row in rows if row["method"] == "osprey" and row["divergence"]]
 
     assert main([*command, "--output", str(tmp_path / "honest.json")]) == 0
-    assert set(labels(tmp_path / "honest.json")) <= {"near tie"}  # measured: 3 of 6 differ, margins 0.05-0.21
+    assert set(labels(tmp_path / "honest.json")) <= {"near tie"}  # some outputs differ, each at a near tie
     take_the_second_best(monkeypatch)
     assert main([*command, "--output", str(tmp_path / "wrong.json")]) == 1
     assert "UNEXPLAINED" in labels(tmp_path / "wrong.json")

@@ -163,7 +163,7 @@ def test_unpacked_drafter_drafts_with_transformers_alone(saved, tmp_path):
 
 @pytest.mark.network
 def test_pilot_drafter_unpacks_and_drafts_for_its_target_without_the_package(smollm2_cache, monkeypatch, tmp_path):
-    """Issue #19's bar for every shipped drafter, on the SmolLM2 pilot (shipped until issue 53): it unpacks, loads
+    """What every shipped drafter must do, checked on the SmolLM2 pilot kept in the repository: it unpacks, loads
     without the package, names its target, and through `target.generate(ids, assistant_model=drafter)` gives the
     target's own greedy output with more than one token per target forward."""
     monkeypatch.setenv("OSPREY_HOME", str(smollm2_cache))

@@ -1267,7 +1267,7 @@ def test_pretraining_resumes_its_schedule_from_a_packed_checkpoint(tmp_path):
     assert torch.equal(final["lm_head.weight"], init.state_dict()["lm_head.weight"])
 
 
-# ------------------------------------------------------------------ keeping the backbone's languages (issue 54, item 2)
+# ------------------------------------------------------------------ keeping the backbone's languages
 
 
 def converted_drafter(tmp_path, draft_vocab_size: int | None = 40):
@@ -1422,7 +1422,7 @@ def test_replay_adds_its_weighted_cross_entropy_and_lowers_it(tmp_path):
         held = {name: lm_replay_loss(model.eval(), replay_batch["input_ids"], replay_batch["attention_mask"],
                                      replay_batch["loss_mask"], target_to_draft)[0]
                 for name, model in (("replay", trainer.model), ("plain", plain.model))}  # fmt: skip
-    assert held["replay"] < held["plain"] - 1.0, held  # measured 3.88 against 5.55
+    assert held["replay"] < held["plain"] - 1.0, held  # replay keeps the LM loss well below plain distillation's
 
 
 def test_distillation_with_lm_replay_resumes_exactly(tmp_path):

@@ -76,8 +76,8 @@ def compile_with_dynamic_shapes(accelerator_args: dict) -> dict:
 
     Batches of a distillation or stage 2 vary in length: compiled for static shapes, the model is compiled for the
     first batch's length and compiled again, with dynamic shapes, on the second. Traced dynamic from the start it is
-    compiled once per variant of the call (each TTT step's, training and evaluation), and on the Qwen-shape
-    distillation step it ran faster than the static trace (docs/training.md, "Training throughput")."""
+    compiled once per variant of the call (each TTT step's, training and evaluation), and it runs a distillation step
+    faster than the static trace does (docs/training.md, "Training throughput")."""
     plugin = accelerator_args.get("dynamo_plugin")
     if plugin is not None and plugin.dynamic is None:
         plugin.dynamic = True
@@ -116,17 +116,15 @@ def keep_freed_heap() -> bool:
     malloc tunables (then they rule).
 
     By default glibc maps each block above 32 MiB afresh and unmaps it on free, so every large tensor of a training
-    step (logits' gradients, target distributions) arrives as new pages the kernel must fault in and zero: on the
-    Qwen-shape distillation step, ~850 k page faults and 1.6-2.2 s of system time per ~10 s step, 1.16x faster kept
-    in the heap and reused (docs/training.md, "Training throughput"). The heap then only grows; `HeapTrimCallback`
-    gives its free pages back."""
+    step (logits' gradients, target distributions) arrives as new pages the kernel must fault in and zero, seconds of
+    system time per step on a CPU; kept in the heap, they are reused instead (docs/training.md, "Training
+    throughput"). The heap then only grows; `HeapTrimCallback` gives its free pages back."""
     libc = _glibc()
     if libc is None or any(name in os.environ for name in MALLOC_ENVIRONMENT):
         return False
     libc.mallopt(M_MMAP_MAX, 0)
-    # -1 turns automatic trimming off: the largest positive value, 2 GiB - 1, still gave back the heap's free top
-    # whenever a step freed more than that, and the next micro-batch faulted it in again (stage 2 of the Qwen
-    # backbone: ~3 GB at a time, 31% of the process's time in the kernel, 1.5x slower updates; docs/training.md)
+    # -1 turns automatic trimming off: the largest positive value, 2 GiB - 1, still gives back the heap's free top
+    # whenever a step frees more than that, and the next micro-batch faults it in again (docs/training.md)
     libc.mallopt(M_TRIM_THRESHOLD, -1)
     return True
 
@@ -152,12 +150,12 @@ class HeapTrimCallback(TrainerCallback):
     the first step after the last trim (or of training's first step), gives the C heap's free pages back to the system.
 
     On a CPU, PyTorch takes tensor memory from the C allocator. With batches of varying lengths glibc's heap fills
-    with free holes between live blocks, which it keeps: a distillation on the Qwen replication's feature cache
-    grew to 12.5 GB resident while `malloc_trim(0)` brought it back to 4.2 GB (docs/training.md, "Memory on a CPU").
-    Two such runs side by side on a 24 GB machine met the kernel's OOM killer. A trim costs the pages' faults on
-    their next use, so it runs only after that much growth, measured from a step's end, when the heap holds a whole
-    step's working memory: measured from right after a trim, the next step alone grew past the limit and the
-    controls' distillations trimmed (and faulted their memory in again) every step or two.
+    with free holes between live blocks, which it keeps, so a distillation's resident memory grows to several times
+    what `malloc_trim(0)` leaves (docs/training.md, "Memory on a CPU"), enough for runs side by side to meet the
+    kernel's OOM killer. A trim costs the pages' faults on their next use, so it runs only after that much growth,
+    counted from a step's end, when the heap holds a whole step's working memory: counted from right after a trim,
+    the next step alone would grow past the limit, and a distillation would trim (and fault its memory in again)
+    every step or two.
     """
 
     def __init__(self, growth: float = 1.5):
@@ -178,9 +176,9 @@ class HeapTrimCallback(TrainerCallback):
 
 class StopOnTerminate(TrainerCallback):
     """On SIGTERM (what `timeout` sends when a chunk's time is up), lets the running optimizer step finish, saves a
-    checkpoint of it and stops training, so a chunked run loses no update it paid for. Before it, a chunk killed
-    mid-way lost every update since the last `save_steps` checkpoint: ten on stage 2 of the Qwen backbone (~20
-    minutes of both cores) in session 20. A second SIGTERM ends the process at once, as without this callback."""
+    checkpoint of it and stops training, so a chunked run loses no update it paid for (killed mid-way, a chunk would
+    lose every update since the last `save_steps` checkpoint). A second SIGTERM ends the process at once, as without
+    this callback."""
 
     def __init__(self):
         self.received = False
@@ -208,9 +206,9 @@ class ScheduleFromArguments(TrainerCallback):
     """Logs, evaluates and saves on this run's `logging_steps`, `eval_steps` and `save_steps`, also when it resumes.
 
     A resumed `Trainer` takes these three from the checkpoint's `trainer_state.json` and only warns that they differ
-    from the arguments. Stage 2 of the Qwen backbone was started with `eval_steps: 200` and resumed with 600 (its
-    654-document evaluation took 27 minutes of a 40-minute chunk): each resume still evaluated at step 400, and in
-    session 20 that evaluation ran past the chunk's end, so its SIGTERM stop could not save and the chunk was lost."""
+    from the arguments: a run resumed with a larger `eval_steps` (to make room for a long evaluation) would still
+    evaluate at the old steps, and an evaluation that runs past a chunk's end keeps its SIGTERM stop from saving, so
+    the chunk's updates are lost."""
 
     def on_train_begin(self, args, state, control, **kwargs):
         state.compute_steps(args, state.max_steps)

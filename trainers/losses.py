@@ -46,9 +46,8 @@ def linear_soft_cross_entropy(
 ) -> tuple[torch.Tensor, torch.LongTensor]:
     """`soft_cross_entropy(hidden_states @ weight.T, target_probs, rows)` for an LM head without bias: the logits of
     `gemm_chunk_size` rows at a time, reduced `chunk_size` rows at a time. The `(N, V)` logits never exist, only their
-    gradient (kept for backward, in the logits' dtype). On this project's CPU (one thread) the GEMM runs fastest in
-    chunks of 512 rows and the loss kernels in chunks of 256 (the Qwen-shape step with both at 512 measured its
-    matmuls 0.37 ms per token faster and its loss kernels 0.25 slower: docs/training.md, "Training throughput").
+    gradient (kept for backward, in the logits' dtype). On a CPU thread the GEMM runs fastest in chunks of 512 rows
+    and the loss kernels in chunks of 256 (docs/training.md, "Training throughput").
 
     The logits are computed in `compute_dtype(hidden_states)` (bfloat16 under a bf16 autocast, as `nn.Linear` would);
     the gradients come back in `hidden_states`' and `weight`'s own dtypes, the weight's in the weight's layout. All
@@ -74,9 +73,9 @@ def head_for_loss(weight: torch.Tensor) -> torch.Tensor:
 
 def store_column_major(weight: torch.nn.Parameter) -> None:
     """Stores an LM head's `(V, H)` weight column-major in place (same values, `weight.T` contiguous), so that
-    `head_for_loss` casts it without a transposed copy and its gradient arrives in that layout: on the Qwen-shape
-    distillation step the transposed copies there and back took ~78 ms each, four per step (docs/training.md,
-    "Training throughput"). Optimizer states follow the parameter's layout (`states_in_parameter_layout`)."""
+    `head_for_loss` casts it without a transposed copy and its gradient arrives in that layout, which saves four
+    copies of the whole head per distillation step (docs/training.md, "Training throughput"). Optimizer states
+    follow the parameter's layout (`states_in_parameter_layout`)."""
     if weight.is_contiguous() and weight.dim() == 2:
         weight.data = weight.data.T.contiguous().T
 
@@ -187,8 +186,8 @@ def _soft_gradient(exps, sums, target_probs, rows, dtype, out=None):
 
 class _TwoPasses:
     """A row function in two passes, each its own kernel when compiled: one fused kernel would recompute every
-    exponential for the gradient (the loss is exp-bound on a CPU core; the Qwen-shape distillation step measured 1.08x
-    faster with two: docs/training.md, "Training throughput")."""
+    exponential for the gradient (the loss is exp-bound on a CPU core, so two passes are faster: docs/training.md,
+    "Training throughput")."""
 
     def __init__(self, first, second, reuse_exps: bool = False):
         self.first, self.second = first, second
@@ -241,8 +240,8 @@ def _written(grad: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | Non
 
 ARGMAX_BLOCKS = (128, 64, 32, 16, 8, 4, 2, 1)
 """Columns per block of the argmax's first pass: the first of these that divides the row. Chosen by divisibility tests,
-not computed from the width, so that a compiled kernel keeps the width symbolic (specialised to 32,000 columns, the
-first pass ran 2-3x slower)."""
+not computed from the width, so that a compiled kernel keeps the width symbolic (specialised to a width such as 32,000
+columns, the first pass runs 2-3x slower)."""
 
 
 def _row_maxima(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,8 +257,8 @@ def _argmax(
     """`scores.argmax(dim=-1)` (the first maximum of each row) from `_row_maxima`: the first block that reaches the
     row's maximum, then the first column of that block that does. Compiled, only the block maxima pass over the whole
     row: faster than a min over all the columns reaching the maximum (`trainers/throughput_worker.py loss-kernels`),
-    which was itself 4x faster than inductor's argmax over float32 scores read from bf16 logits. A row with a NaN gets
-    its last index instead of the NaN's."""
+    which is itself about 4x faster than inductor's argmax over float32 scores read from bf16 logits. A row with a
+    NaN gets its last index instead of the NaN's."""
     if maximum is None or block_maxima is None:
         maximum, block_maxima = _row_maxima(scores)
     num_blocks = block_maxima.shape[-1]
