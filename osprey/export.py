@@ -15,12 +15,15 @@ What changes on the way out, and why it is exact:
 - the draft vocabulary is written in increasing target-id order (a relabelling of draft ids, which changes no
   probability), with `d2t` = target id - draft id and `t2d` = the draft tokens' mask over the target vocabulary;
 - the taps keep their blocks: vLLM's `eagle_aux_hidden_state_layer_ids` counts the *input* of a block (tap + 1),
-  SGLang's `eagle_config` counts outputs, as Osprey does.
+  SGLang's `eagle_config` counts outputs, as Osprey does. vLLM collects tap + 1 after block tap has run, up to the
+  last block's output (before the final norm, what Osprey reads there); SGLang collects each tap at the input of
+  block tap + 1, so it never reads the last block's output, and `--target` refuses that tap for `sglang-eagle3`.
 
 Layouts follow the loaders' code as read (not copied) at: vllm-project/vllm
 `vllm/model_executor/models/llama_eagle3.py` @ 00bd1493b3e8 and `vllm/transformers_utils/configs/speculators/algos.py`;
 vllm-project/speculators `src/speculators/models/eagle3/` @ c05b95b3; sgl-project/sglang
-`python/sglang/srt/models/llama_eagle3.py` @ 03d5a7771f60 and d737979cbd17.
+`python/sglang/srt/models/llama_eagle3.py` @ 03d5a7771f60 and d737979cbd17, `python/sglang/srt/models/llama.py` @
+00239548f1cd (where the taps are collected).
 """
 
 import argparse
@@ -52,9 +55,9 @@ TOKEN_RESIDUAL = (
 )
 
 
-def export_problems(config: OspreyConfig, export_format: str) -> list[str]:
+def export_problems(config: OspreyConfig, export_format: str, target_num_layers: int | None = None) -> list[str]:
     """Why `export_format`'s engine would not compute exactly what a drafter with `config` computes (empty: it
-    would)."""
+    would). `target_num_layers`, the target's decoder layer count when known, bounds the taps the engine collects."""
     problems = []
     if config.residual_stream != "features" and export_format != VLLM:
         problems.append(TOKEN_RESIDUAL)
@@ -76,6 +79,13 @@ def export_problems(config: OspreyConfig, export_format: str) -> list[str]:
             )
         if 3 * config.target_hidden_size == config.hidden_size:
             problems.append("3 x target_hidden_size == hidden_size, which SGLang takes for features already past fc")
+        if target_num_layers is not None and max(config.target_layer_ids) >= target_num_layers - 1:
+            problems.append(
+                f"it taps block {max(config.target_layer_ids)}, the last of the target's {target_num_layers} "
+                "blocks, and SGLang collects each tap at the next block's input, so it never reads the last block's "
+                "output; use --format speculators (vLLM collects it), or convert the drafter with taps below block "
+                f"{target_num_layers - 1} (`osprey convert --target-layers`)"
+            )
     return problems
 
 
@@ -244,7 +254,8 @@ def export_drafter(
     target_config = None if target is None else AutoConfig.from_pretrained(zoo.resolve_model_path(target))
     if target_config is not None:
         drafter.config.check_target(target_config, name_or_path=None)
-    problems = export_problems(drafter.config, export_format)
+    target_num_layers = None if target_config is None else getattr(target_config, "num_hidden_layers", None)
+    problems = export_problems(drafter.config, export_format, target_num_layers)
     if drafter.config.hidden_size == drafter.config.target_hidden_size:
         problems += filter(None, [_check_target_embedding(drafter, target)])
     if problems:

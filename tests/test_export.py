@@ -369,3 +369,36 @@ def test_vllm_format_takes_osprey_drafters_with_the_plugins_architecture(tmp_pat
     if speculators_tensors is not None:
         assert tensors.keys() == speculators_tensors.keys()
         assert all(torch.equal(tensors[name], speculators_tensors[name]) for name in tensors)
+
+
+def save_target_config(directory, num_layers):
+    """A target directory for `--target`: its config, and a stand-in weights file (the export reads the config)."""
+    LlamaConfig(
+        vocab_size=64,
+        hidden_size=24,
+        num_attention_heads=4,
+        num_hidden_layers=num_layers,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(directory)
+    save_file({"model.embed_tokens.weight": torch.zeros(64, 24)}, directory / "model.safetensors")
+    return directory
+
+
+@pytest.mark.parametrize("export_format", [VLLM, SPECULATORS, SGLANG])
+def test_a_tap_on_the_targets_last_block_is_exported_only_where_the_engine_collects_it(tmp_path, export_format):
+    """vLLM collects the last block's output (aux id L, after block L - 1 has run), SGLang collects each tap at the
+    next block's input, so for a 7-block target tap 6 goes to vLLM and is refused for SGLang, naming the fix; a tap
+    beyond the target is refused for every format."""
+    drafter = eagle3_drafter()  # TAPS: 1, 3, 6
+    last_block_is_tapped = save_target_config(tmp_path / "target-7", 7)
+    if export_format == SGLANG:
+        with pytest.raises(ValueError, match=r"taps block 6, the last of the target's 7 blocks.*--format speculators"):
+            export_drafter(drafter, export_format, tmp_path / "out", target=last_block_is_tapped)
+        assert not (tmp_path / "out").exists()
+        _, config = exported(drafter, export_format, tmp_path, target=save_target_config(tmp_path / "target-8", 8))
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == TAPS
+    else:
+        _, config = exported(drafter, export_format, tmp_path, target=last_block_is_tapped)
+        assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 7]  # 7: the output of block 6, the last
+    with pytest.raises(ValueError, match=r"6 layers \(the drafter taps \[1, 3, 6\]\)"):
+        export_drafter(drafter, export_format, tmp_path / "short", target=save_target_config(tmp_path / "target-6", 6))

@@ -18,6 +18,7 @@ import torch
 from conftest import make_tiny_target
 from safetensors.torch import load_file
 
+from modeling_osprey.target_features import TargetFeatureCapture
 from osprey import OspreyConfig, OspreyForDrafting
 from osprey.export import VLLM, export_drafter
 
@@ -26,7 +27,9 @@ ENGINE_SCRIPT = Path(__file__).resolve().parent / "vllm_engine.py"
 VLLM_PYTHON = Path(os.environ.get("OSPREY_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 # vLLM's CPU attention takes head sizes of 32 and up.
 TARGET_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "head_dim": 32}
-TAPS = [1, 3, 6]
+# The tiny targets have 8 blocks: tap 7 is the last block's output, which vLLM collects too (aux id 8, after the
+# last block has run, before the final norm).
+TAPS = [1, 3, 7]
 PROMPTS = [[5, 17, 33, 90, 12, 7, 200, 31, 64, 3], [9, 8, 7], [100, 101, 102, 103, 104, 105]]
 MAX_TOKENS = 24
 NUM_SPECULATIVE_TOKENS = 3
@@ -176,9 +179,11 @@ def served(request, vllm_python, workdir):
 def test_vllm_drafter_reproduces_osprey_drafting_logits(served):
     target, drafter, _, speculative, first_pass = served
     prompt, first_token = PROMPTS[0], speculative["outputs"][0][0]
-    # vLLM's drafter reads the target's taps at Osprey's blocks, paired with the next tokens (EAGLE's convention).
-    hidden_states = target(torch.tensor([prompt]), output_hidden_states=True).hidden_states
-    taps = torch.cat([hidden_states[layer_id + 1] for layer_id in TAPS], dim=-1)[0]
+    # vLLM's drafter reads the target's taps at Osprey's blocks (their outputs, the last block's before the final
+    # norm, which transformers' last hidden state is after), paired with the next tokens (EAGLE's convention).
+    with TargetFeatureCapture(target, TAPS) as capture:
+        target(torch.tensor([prompt]))
+    taps = capture.features[0]
     torch.testing.assert_close(first_pass["taps"], taps, atol=1e-3, rtol=1e-3)  # float32, other kernels
     assert first_pass["input_ids"].tolist() == prompt[1:] + [first_token]
     assert first_pass["positions"].tolist() == list(range(len(prompt)))
