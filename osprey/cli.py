@@ -23,6 +23,7 @@ SUBCOMMAND_MODULES = (
     "osprey.export",  # to vLLM / SGLang
     "osprey.hub",  # push
     "osprey.demo",  # the main job on the packaged drafter
+    "trainers.adapt",  # stages 3 to 5 for a user's target, in one command
     "osprey.pack",  # pack, unpack
 )
 

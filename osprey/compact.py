@@ -45,7 +45,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .ground import require_empty_output_dir
+from .ground import cache_root, require_empty_output_dir
 
 PACK_MANIFEST = "osprey_pack.json"
 PACK_WEIGHTS = "packed.safetensors"
@@ -240,13 +240,11 @@ def pack_tensors(
     reference or as deltas (int8 rows, or int4 / 3-bit with `delta_bits=4` / `3`); `config` (the checkpoint's, as a
     dict) maps a pruned model's blocks to its parent's. Without a reference every matrix is stored in `dtype` (`int8`
     rows or `bfloat16`)."""
-    from .zoo import resolve_model_path
-
     if dtype not in PACK_DTYPES:
         raise ValueError(f"Unknown pack dtype {dtype!r}: choose one of {', '.join(PACK_DTYPES)}.")
     if delta_bits not in DELTA_BITS:
         raise ValueError(f"delta_bits must be one of {DELTA_BITS}, got {delta_bits}.")
-    ref = _Reference(Path(resolve_model_path(reference))) if reference is not None else None
+    ref = _Reference(reference_dir(reference)) if reference is not None else None
     layer_map = _reference_name_map(config or {})
     stored, entries = {}, {}
     draft_rows = state_dict.get(DRAFT_ROWS)
@@ -321,10 +319,25 @@ def pack(
     return output_dir
 
 
-def _reference_dir(manifest: dict) -> Path | None:
-    from .zoo import resolve_model_path
+def reference_dir(reference: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the reference of a pack lives: its directory, or the build of the zoo model it names in the zoo's cache
+    (root `cache_dir`, default as `osprey.ground.cache_root`). Building zoo models is the zoo's job, and the zoo
+    unpacks its shipped backbones with this module: callers fetch a zoo reference first (`osprey.pack` and
+    `osprey.zoo` do)."""
+    path = Path(reference).expanduser()
+    if path.is_dir():
+        return path
+    built = cache_root(cache_dir) / "models" / str(reference)
+    if (built / "config.json").is_file():
+        return built
+    raise ValueError(
+        f"The reference {str(reference)!r} is neither a directory nor a zoo model built in {built.parent}: fetch it "
+        f"first (`osprey fetch {reference}`)."
+    )
 
-    return Path(resolve_model_path(manifest["reference"])) if manifest.get("reference") is not None else None
+
+def _reference_dir(manifest: dict, cache_dir: str | os.PathLike | None = None) -> Path | None:
+    return reference_dir(manifest["reference"], cache_dir) if manifest.get("reference") is not None else None
 
 
 def _save_reference_tokenizer(directory: Path, output_dir: Path) -> None:
@@ -355,13 +368,13 @@ def _strip_optimizer(source: Path, destination: Path) -> None:
     torch.save({"state": {}, "param_groups": state["param_groups"]}, destination)
 
 
-def read_pack(packed_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+def read_pack(packed_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
     """The state dict stored by `pack` / `write_pack` in `packed_dir`, each tensor in its original dtype; tensors
-    stored by reference are rebuilt from the reference and checked."""
+    stored by reference are rebuilt from the reference (`reference_dir`) and checked."""
     manifest = read_manifest(Path(packed_dir))
     stored = load_file(Path(packed_dir) / PACK_WEIGHTS)
     kinds = {entry["kind"] for entry in manifest["tensors"].values()}
-    ref = _Reference(_reference_dir(manifest)) if not kinds.isdisjoint(("ref", "delta")) else None
+    ref = _Reference(_reference_dir(manifest, cache_dir)) if not kinds.isdisjoint(("ref", "delta")) else None
     state_dict = {}
     for name, entry in manifest["tensors"].items():
         original = getattr(torch, entry["dtype"])
@@ -400,12 +413,17 @@ def read_manifest(packed_dir: Path) -> dict:
     return manifest
 
 
-def unpack(packed_dir: str | os.PathLike, output_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+def unpack(
+    packed_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> Path:
     """Writes the ordinary checkpoint stored by `pack` in `packed_dir` to `output_dir` (each tensor in its original
     dtype unless `dtype` is given); tensors stored by reference are rebuilt from the reference and checked."""
     packed_dir, output_dir = Path(packed_dir), require_empty_output_dir(output_dir)
     manifest = read_manifest(packed_dir)
-    state_dict = read_pack(packed_dir)
+    state_dict = read_pack(packed_dir, cache_dir)
     if dtype is not None:
         state_dict = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state_dict.items()}
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -418,7 +436,7 @@ def unpack(packed_dir: str | os.PathLike, output_dir: str | os.PathLike, dtype: 
     with tempfile.TemporaryDirectory() as resaved:
         resaved = Path(resaved)
         if any(file["from"] == "tokenizer" for file in files.values()):  # an older pack's references
-            _save_reference_tokenizer(_reference_dir(manifest), resaved)
+            _save_reference_tokenizer(_reference_dir(manifest, cache_dir), resaved)
         for name, file in files.items():
             if file["from"] == "gzip":
                 with gzip.open(packed_dir / f"{name}.gz", "rb") as source, (output_dir / name).open("wb") as target:
@@ -426,7 +444,7 @@ def unpack(packed_dir: str | os.PathLike, output_dir: str | os.PathLike, dtype: 
                 if _file_sha256(output_dir / name) != file["sha256"]:
                     raise ValueError(f"{packed_dir / name}.gz does not unpack to the file that was packed.")
                 continue
-            source = (_reference_dir(manifest) if file["from"] == "file" else resaved) / name
+            source = (_reference_dir(manifest, cache_dir) if file["from"] == "file" else resaved) / name
             _check(_file_sha256(source), file["sha256"], name, manifest["reference"], name)
             shutil.copy2(source, output_dir / name)
     return output_dir

@@ -266,7 +266,7 @@ def _load_target(target, tokenizer) -> tuple[PreTrainedConfig, PreTrainedTokeniz
         if tokenizer is None:
             raise ValueError("Pass `target_tokenizer` with a target config: the drafter's vocabulary is the target's.")
         return target, tokenizer, None
-    location = str(zoo.fetch(target)) if str(target) in zoo.ZOO else str(target)
+    location = str(zoo.fetch(target)) if zoo.is_zoo_name(target) else str(target)
     config = AutoConfig.from_pretrained(location)
     if tokenizer is None:
         try:

@@ -7,6 +7,7 @@ runs any other drafter (packed or not) instead, e.g. the SmolLM2 pilot kept in t
 (`REPOSITORY_DRAFTERS`).
 """
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,18 +39,48 @@ class DemoChoice:
 
 
 DEMO_TARGET = "qwen2.5-coder-1.5b-instruct"
-DEMOS = {
-    # A tree of depth 5, branching 3, 8 nodes, with a prompt-lookup branch of up to 8 tokens, the drafter's linear
-    # layers in int8. Measured on eight held-out ShareGPT prompts (grid: chain / tree 3x4 / tree 3x8, each with and
-    # without the branch, the packed drafter in int8 and in bf16; benchmarks/results/tree-defaults/shipped-packed/):
-    # this shape 2.53x the target alone (τ 3.87), within 1% of the grid's best (the same tree without the branch,
-    # 2.54x, τ 3.63), and the branch is what made trees pay on the 50-prompt bench (1.59x with it, 1.31x without).
-    "qwen2.5-coder-1.5b-instruct": DemoChoice(
-        QWEN_DEMO_DRAFTER_DIR,
-        "bfloat16",
-        dict(num_draft_tokens=5, draft_topk=3, tree_size=8, prompt_lookup_num_tokens=8, drafter_quantization="int8"),
-    ),
-}
+# The decoding shape measured best on held-out prompts for a drafter from the Qwen2.5 backbone on a CPU: a tree of
+# depth 5, branching 3, 8 nodes, with a prompt-lookup branch of up to 8 tokens, the drafter's linear layers in int8,
+# the target in bfloat16 (the grid and its figures: docs/results.md, "Figures moved out of code comments").
+TREE_DECODING = dict(
+    dtype="bfloat16",
+    num_draft_tokens=5,
+    draft_topk=3,
+    tree_size=8,
+    prompt_lookup_num_tokens=8,
+    drafter_quantization="int8",
+)
+# A drafter folder may record the shape it was measured with (`osprey adapt` writes it): `osprey demo --drafter`
+# decodes with it.
+DECODING_NAME = "osprey_decoding.json"
+
+
+def decoding_shape(device: str | None = None) -> dict:
+    """The decoding shape a new drafter is measured and demonstrated with: `TREE_DECODING`, without int8 (a CPU-only
+    kernel) on a GPU."""
+    shape = dict(TREE_DECODING)
+    if (device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu":
+        shape["drafter_quantization"] = "none"
+    return shape
+
+
+def _choice(shape: dict, drafter_dir: Path) -> DemoChoice:
+    settings = dict(shape)
+    return DemoChoice(drafter_dir, settings.pop("dtype", "float32"), settings)
+
+
+DEMOS = {"qwen2.5-coder-1.5b-instruct": _choice(TREE_DECODING, QWEN_DEMO_DRAFTER_DIR)}
+
+
+def demo_choice(drafter_dir) -> DemoChoice:
+    """How the demo decodes with a drafter the user gives: the shape recorded beside it (`DECODING_NAME`), else
+    chains that stop early after an unsure draft."""
+    recorded = Path(drafter_dir) / DECODING_NAME
+    if recorded.is_file():
+        return _choice(json.loads(recorded.read_text()), Path(drafter_dir))
+    return DemoChoice(Path(drafter_dir), settings=dict(confidence_threshold=DEMO_CONFIDENCE_THRESHOLD))
+
+
 SETTING_FLAGS = (
     "num_draft_tokens",
     "draft_topk",
@@ -105,7 +136,7 @@ def run_demo(
             )
         choice = DEMOS[target_name]
     else:
-        choice = DemoChoice(Path(drafter_dir), settings=dict(confidence_threshold=DEMO_CONFIDENCE_THRESHOLD))
+        choice = demo_choice(drafter_dir)
     dtype = dtype or getattr(torch, choice.dtype)
     chosen = choice.settings | {name: value for name, value in overrides.items() if value is not None}
     _announce_fetches(choice.drafter_dir, target_name)

@@ -287,7 +287,7 @@ def _verifier_name(target) -> str | None:
     """What vLLM can load the target from: a zoo name is only meaningful to Osprey, so it becomes its directory."""
     if target is None:
         return None
-    return zoo.resolve_model_path(target) if str(target) in zoo.ZOO else str(target)
+    return zoo.resolve_model_path(target) if zoo.is_zoo_name(target) else str(target)
 
 
 def _converted_for(drafter_dir: Path | None) -> str | None:

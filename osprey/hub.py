@@ -35,6 +35,7 @@ except ImportError:
 from .model_card import (
     COMPANION_FILES,
     MODEL_FILES,
+    backbone_card,
     drafter_card,
     drafter_generation_config,
     publishable_files,
@@ -128,6 +129,48 @@ def push_drafter(
         return push_drafter_folder(staging, repo_id, tags=tags, **push_options)
 
 
+BACKBONE_FILES = (
+    "model.safetensors",
+    "config.json",
+    "generation_config.json",
+    "osprey_backbone.json",
+    "corpus-manifest.json",
+)
+
+
+def push_backbone(
+    backbone: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    token: str | bool | None = None,
+    commit_message: str | None = None,
+) -> CommitInfo:
+    """Publishes a pretrained Osprey backbone (a zoo name such as `osprey-backbone-qwen2.5-0.5b-2l`, fetched first, or
+    its directory) as the model `repo_id` in one commit: weights, config, tokenizer, its record and its card."""
+    from .zoo import resolve_model_path
+
+    validate_repo_id(repo_id)
+    folder = Path(resolve_model_path(backbone))
+    card = backbone_card(folder, repo_id)  # refuses a folder that is no pretrained backbone
+
+    def operations(created_repo_id: str) -> list[CommitOperationAdd]:
+        final_card = card if created_repo_id == repo_id else backbone_card(folder, created_repo_id)
+        files = [
+            CommitOperationAdd(path_in_repo=path.name, path_or_fileobj=str(path))
+            for path in publishable_files(folder, BACKBONE_FILES + COMPANION_FILES)
+        ]
+        return files + [CommitOperationAdd("README.md", str(final_card).encode())]
+
+    return _commit(
+        repo_id,
+        operations,
+        private=private,
+        token=token,
+        commit_message=commit_message or "Upload Osprey drafter backbone",
+    )
+
+
 def push_space(
     folder: str | os.PathLike,
     repo_id: str,
@@ -207,9 +250,10 @@ def add_subcommand(subparsers) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    what = parser.add_mutually_exclusive_group(required=True)
+    what = parser.add_mutually_exclusive_group()
     what.add_argument("--drafter", metavar="DIR", help="drafter directory (osprey convert / distill)")
     what.add_argument("--space", metavar="DIR", help="Gradio Space folder (app.py, README.md)")
+    # --backbone alone publishes a pretrained backbone; with --drafter it is the backbone named on the drafter's card
     parser.add_argument("--repo-id", required=True, help="Hub repository, e.g. you/osprey-drafter (no namespace: you)")
     parser.add_argument("--private", action="store_true", help="create the repository private (if it is new)")
     card = parser.add_argument_group("model card (drafters only)")
@@ -219,7 +263,10 @@ def add_subcommand(subparsers) -> None:
     )
     card.add_argument("--base-model", metavar="ID", help="Hub id of the target (default: from alignment_report.json)")
     card.add_argument(
-        "--backbone", metavar="NAME", help="pretrained backbone named on the card (default: from alignment_report.json)"
+        "--backbone",
+        metavar="NAME",
+        help="alone: publish this pretrained backbone (zoo name or directory); with --drafter: the backbone named on "
+        "the drafter's card (default: from alignment_report.json)",
     )
     card.add_argument("--license", help="license id (default: gemma if Gemma terms travel with it, else apache-2.0)")
     parser.set_defaults(run=_run_push)
@@ -227,9 +274,13 @@ def add_subcommand(subparsers) -> None:
 
 def _run_push(args) -> int:
     private = True if args.private else None  # None: the namespace's default visibility
+    if not (args.drafter or args.space or args.backbone):
+        raise ValueError("say what to publish: --drafter DIR, --backbone NAME_OR_DIR or --space DIR.")
     try:
         if args.space:
             commit = push_space(args.space, args.repo_id, private=private)
+        elif args.backbone and not args.drafter:
+            commit = push_backbone(args.backbone, args.repo_id, private=private)
         else:
             commit = push_drafter_folder(
                 args.drafter,
@@ -244,8 +295,8 @@ def _run_push(args) -> int:
     except HubPushError as error:
         print(f"osprey push: error: {error}", file=sys.stderr)
         return 1
-    print(f"published {args.space or args.drafter} to {commit.repo_url} (commit {commit.oid[:10]})")
+    print(f"published {args.space or args.drafter or args.backbone} to {commit.repo_url} (commit {commit.oid[:10]})")
     return 0
 
 
-__all__ = ["HubPushError", "push_drafter", "push_drafter_folder", "push_space"]
+__all__ = ["HubPushError", "push_backbone", "push_drafter", "push_drafter_folder", "push_space"]

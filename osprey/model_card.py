@@ -188,6 +188,59 @@ def drafter_card(
     )
 
 
+def backbone_card(folder: str | os.PathLike, repo_id: str) -> ModelCard:
+    """The model card of a pretrained backbone saved in `folder` (a shipped zoo backbone, unpacked: its
+    `osprey_backbone.json` records the parent, pruning, stage-2 corpus and budget and held-out perplexity)."""
+    folder = Path(folder)
+    facts = read_json(folder / "osprey_backbone.json")
+    config = read_json(folder / "config.json")
+    if facts is None or config is None:
+        raise ValueError(
+            f"{folder} has no osprey_backbone.json or config.json, so it is not a pretrained Osprey backbone: fetch "
+            "one with `osprey fetch NAME` (`osprey fetch --list`)."
+        )
+    parent_id = ZOO_HUB_IDS.get(facts["parent"], facts["parent"])
+    card_data = ModelCardData(
+        base_model=parent_id,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license=facts["license"],
+        tags=["osprey", "speculative-decoding", "drafter-backbone"],
+    )
+    template = resources.files("hub_cards").joinpath("backbone.md").read_text(encoding="utf-8")
+    stage2, perplexity, pruning = facts["stage2"], facts["held_out_perplexity"], facts["pruning"]
+    license_note = {"apache-2.0": f"Apache-2.0, as its parent {parent_id}."}.get(
+        facts["license"], f"{facts['license']}, as its parent {parent_id}."
+    )
+    return ModelCard.from_template(
+        card_data,
+        template_str=template,
+        repo_id=repo_id,
+        model_name=repo_id.split("/")[-1],
+        parent_id=parent_id,
+        architecture=(config.get("architectures") or [config.get("model_type")])[0],
+        num_hidden_layers=config["num_hidden_layers"],
+        source_num_hidden_layers=pruning["source_num_hidden_layers"],
+        strategy=pruning["strategy"],
+        kept_layers=pruning["kept_layers"],
+        num_languages=len(stage2["languages"]),
+        languages=stage2["languages"],
+        objective=stage2["objective"],
+        corpus=stage2["corpus"],
+        steps=stage2["steps"],
+        tokens=stage2["tokens"],
+        sequence_length=stage2["sequence_length"],
+        config=stage2["config"],
+        groups=perplexity["groups"],
+        parent=perplexity["parent"],
+        pruned=perplexity["pruned"],
+        backbone=perplexity["backbone"],
+        tokens_per_group=perplexity["tokens_per_group"],
+        perplexity_source=perplexity["source"],
+        license_note=license_note,
+    )
+
+
 def _check_drafter_folder(folder: Path) -> dict:
     """The drafter's config, after refusing folders that would not load from the Hub with `trust_remote_code`."""
     if not folder.is_dir():

@@ -32,9 +32,9 @@ from modeling_osprey import OspreyConfig, OspreyForDrafting
 from modeling_osprey.decoding_osprey import CUSTOM_GENERATE_DIR
 from modeling_osprey.modeling_osprey import PACKED_WEIGHTS_NAME as PACKED_WEIGHTS
 
-from .compact import DELTA_BITS, PACK_MANIFEST, int8_rows, pack_tensors, read_pack, write_pack
+from .compact import DELTA_BITS, PACK_MANIFEST, int8_rows, pack_tensors, read_manifest, read_pack, write_pack
 from .ground import require_empty_output_dir
-from .zoo import resolve_model_path
+from .zoo import fetch_reference, resolve_model_path
 
 PACKED_FORMAT = "osprey-int8-rows"
 SCALE_SUFFIX = ".int8_row_scale"
@@ -78,12 +78,14 @@ def write_packed_weights(
     if reference is None:
         save_file(pack_state_dict(state_dict), directory / PACKED_WEIGHTS, metadata={"format": PACKED_FORMAT})
     else:
+        fetch_reference(reference)
         write_pack(directory, *pack_tensors(state_dict, reference, delta_bits=delta_bits))
 
 
 def read_packed_weights(directory: Path) -> dict[str, torch.Tensor]:
     """The state dict `write_packed_weights` stored in `directory`."""
     if (directory / PACK_MANIFEST).is_file():
+        fetch_reference(read_manifest(directory).get("reference"))
         return read_pack(directory)
     return unpack_state_dict(load_file(directory / PACKED_WEIGHTS))
 
@@ -248,6 +250,7 @@ def _run_pack(args) -> int:
     if args.checkpoint:
         from .compact import pack, pack_size_mib
 
+        fetch_reference(args.reference)
         output = pack(args.checkpoint, args.output, args.reference, args.dtype, args.delta_bits)
         print(f"packed {args.checkpoint} to {output} ({pack_size_mib(output):.1f} MiB)")
         return 0
@@ -261,6 +264,7 @@ def _run_unpack(args) -> int:
     if args.checkpoint:
         from .compact import pack_size_mib, unpack
 
+        fetch_reference(read_manifest(Path(args.checkpoint)).get("reference"))
         output = unpack(args.checkpoint, args.output)
         print(f"unpacked {args.checkpoint} to {output} ({pack_size_mib(output):.1f} MiB)")
         return 0

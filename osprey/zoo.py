@@ -9,6 +9,11 @@ transformers and caches a plain float32 safetensors checkpoint that loads in sec
 
 `root` is `cache_dir`, else `$OSPREY_HOME`, else `~/.cache/osprey`. `resolve_model_path`, `load_causal_lm` and
 `load_tokenizer` accept a zoo name, a local checkpoint directory or a Hub repo id alike.
+
+The zoo also holds Osprey's pretrained drafter backbones (`BACKBONES`): small LMs pruned from a zoo model and trained
+once on general multilingual text (stages 1 and 2), the starting point of every drafter (`osprey adapt`). Each ships
+inside this package packed against its parent (`osprey.compact`); `fetch` unpacks it into the same cache as an
+ordinary causal-LM checkpoint (`AutoModelForCausalLM.from_pretrained` loads it).
 """
 
 import copy
@@ -127,13 +132,65 @@ ZOO: dict[str, ZooModel] = {
 }
 
 
-def get_zoo_model(name: str) -> ZooModel:
+BACKBONES_DIR = Path(__file__).parent / "backbones"
+BACKBONE_FACTS = "osprey_backbone.json"  # parent, pruning, stage-2 corpus and budget, held-out perplexity: the card
+
+
+@dataclass(frozen=True)
+class ZooBackbone:
+    """A pretrained drafter backbone shipped in the package, packed against its parent zoo model."""
+
+    name: str
+    description: str
+
+    @property
+    def pack_dir(self) -> Path:
+        return BACKBONES_DIR / self.name
+
+    @property
+    def sha256(self) -> str:
+        """Identifies the shipped pack: a build made from another pack (an older release) is rebuilt."""
+        return hashlib.sha256((self.pack_dir / "osprey_pack.json").read_bytes()).hexdigest()
+
+    @property
+    def facts(self) -> dict:
+        return json.loads((self.pack_dir / BACKBONE_FACTS).read_text(encoding="utf-8"))
+
+
+BACKBONES: dict[str, ZooBackbone] = {
+    backbone.name: backbone
+    for backbone in (
+        ZooBackbone(
+            name="osprey-backbone-qwen2.5-0.5b-2l",
+            description="Osprey drafter backbone: Qwen2.5-Coder-0.5B's first 2 blocks, pretrained on text in 154 "
+            "languages (the default of osprey adapt)",
+        ),
+    )
+}
+DEFAULT_BACKBONE = "osprey-backbone-qwen2.5-0.5b-2l"
+
+
+def is_zoo_name(name: str | os.PathLike) -> bool:
+    """Whether `name` names a zoo model or a shipped backbone (rather than a directory or a Hub id)."""
+    return str(name) in ZOO or str(name) in BACKBONES
+
+
+def fetch_reference(reference: str | os.PathLike | None) -> None:
+    """Builds the zoo model a pack references, if it names one, so that `osprey.compact` finds it in the cache."""
+    if reference is not None and is_zoo_name(reference):
+        fetch(str(reference))
+
+
+def get_zoo_model(name: str) -> ZooModel | ZooBackbone:
     """The zoo entry called `name`; a `ValueError` listing the known names (and the closest one) otherwise."""
     if name in ZOO:
         return ZOO[name]
-    closest = difflib.get_close_matches(name, ZOO, n=1)
+    if name in BACKBONES:
+        return BACKBONES[name]
+    known = [*ZOO, *BACKBONES]
+    closest = difflib.get_close_matches(name, known, n=1)
     hint = f" Did you mean {closest[0]!r}?" if closest else ""
-    raise ValueError(f"Unknown zoo model {name!r}.{hint} Known models: {', '.join(ZOO)}.")
+    raise ValueError(f"Unknown zoo model {name!r}.{hint} Known models: {', '.join(known)}.")
 
 
 def is_cached(name: str, cache_dir: str | os.PathLike | None = None) -> bool:
@@ -166,8 +223,30 @@ def fetch(name: str, cache_dir: str | os.PathLike | None = None, force: bool = F
     # Serializes builds of one model across processes; a build that finished while we waited is reused.
     with FileLock(root / "locks" / f"{name}.lock"):
         if force or not is_cached(name, root):
-            _build(model, root)
+            if isinstance(model, ZooBackbone):
+                _build_backbone(model, root)
+            else:
+                _build(model, root)
     return root / "models" / name
+
+
+def _build_backbone(backbone: ZooBackbone, root: Path) -> None:
+    """Unpacks a shipped backbone against its parent (fetched first) into `<root>/models/<name>`, in a staging
+    sibling swapped in whole like `_build`. Its model card is rendered where it is published (`osprey push
+    --backbone`), like a drafter's."""
+    from .compact import unpack
+
+    fetch(backbone.facts["parent"], root)
+    models_dir = root / "models"
+    for stale in models_dir.glob(f".{backbone.name}.staging-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=f".{backbone.name}.staging-", dir=models_dir) as staging:
+        output_dir = unpack(backbone.pack_dir, Path(staging) / backbone.name, cache_dir=root)
+        _write_manifest(backbone, output_dir)
+        final_dir = models_dir / backbone.name
+        if final_dir.exists():
+            os.replace(final_dir, Path(staging) / "previous")
+        os.replace(output_dir, final_dir)
 
 
 def _build(model: ZooModel, root: Path) -> None:
@@ -269,14 +348,14 @@ def _convert_gguf(gguf_path: Path, output_dir: Path) -> None:
     tokenizer.save_pretrained(output_dir)
 
 
-def _write_manifest(model: ZooModel, output_dir: Path) -> None:
+def _write_manifest(model: ZooModel | ZooBackbone, output_dir: Path) -> None:
     """Written last: its presence, with matching file sizes, is what marks a build as complete."""
     files = {path.name: path.stat().st_size for path in sorted(output_dir.iterdir()) if path.is_file()}
     manifest = {
         "format": MANIFEST_FORMAT,
         "name": model.name,
         "gguf_sha256": model.sha256,
-        "requirements": model.requirements,
+        "requirements": getattr(model, "requirements", []),
         "files": files,
     }
     (output_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -288,7 +367,7 @@ _HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "*.py", 
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:
     """A local directory with safetensors weights for a zoo name, a local checkpoint directory or a Hub repo id."""
     name_or_path = str(name_or_path)
-    if name_or_path in ZOO:
+    if is_zoo_name(name_or_path):
         return str(fetch(name_or_path))
     directory = Path(name_or_path).expanduser()
     if not directory.is_dir():
@@ -296,11 +375,13 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
             directory = Path(huggingface_hub.snapshot_download(name_or_path, allow_patterns=_HUB_PATTERNS))
         except HFValidationError as error:
             raise ValueError(
-                f"{name_or_path!r} is neither a zoo model ({', '.join(ZOO)}), a local directory, nor a Hub repo id."
+                f"{name_or_path!r} is neither a zoo model ({', '.join([*ZOO, *BACKBONES])}), a local directory, nor a "
+                "Hub repo id."
             ) from error
         except OSError as error:  # offline, unknown or gated repo: the hub's own message says which
             raise OSError(
-                f"{name_or_path!r} is not a zoo model ({', '.join(ZOO)}) or a local directory, and downloading it "
+                f"{name_or_path!r} is not a zoo model ({', '.join([*ZOO, *BACKBONES])}) or a local directory, and "
+                "downloading it "
                 f"from the Hugging Face Hub failed: {type(error).__name__}: {error}"
             ) from error
     check_safetensors_checkpoint(directory)
@@ -322,7 +403,7 @@ def load_tokenizer(name_or_path: str | os.PathLike, **kwargs) -> PreTrainedToken
 def add_subcommand(subparsers) -> None:
     """Adds `osprey fetch` to the CLI (see `osprey.cli`)."""
     parser = subparsers.add_parser("fetch", help="download and convert zoo models for offline use")
-    parser.add_argument("names", nargs="*", metavar="NAME", help=f"zoo model(s): {', '.join(ZOO)}")
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"zoo model(s): {', '.join([*ZOO, *BACKBONES])}")
     parser.add_argument("--cache-dir", help="cache root (default: $OSPREY_HOME or ~/.cache/osprey)")
     parser.add_argument("--force", action="store_true", help="rebuild even if a complete build is cached")
     parser.add_argument("--list", action="store_true", help="list the zoo models and whether they are cached")
@@ -331,8 +412,8 @@ def add_subcommand(subparsers) -> None:
 
 def _run_fetch(args) -> int:
     if args.list:
-        width = max(map(len, ZOO))
-        for name, model in ZOO.items():
+        width = max(map(len, [*ZOO, *BACKBONES]))
+        for name, model in [*ZOO.items(), *BACKBONES.items()]:
             status = "cached" if is_cached(name, args.cache_dir) else "not cached"
             print(f"{name:<{width}}  {status:<10}  {model.description}")
         return 0

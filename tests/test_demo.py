@@ -117,7 +117,8 @@ def test_pack_and_demo_refuse_bad_input(packed, tmp_path, capsys):
 
 def test_packaged_drafters_are_small_name_their_targets_and_are_package_data():
     package_data = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert package_data["osprey"] == [f"{choice.drafter_dir.name}/*" for choice in DEMOS.values()]  # all it ships
+    shipped = [f"{choice.drafter_dir.name}/*" for choice in DEMOS.values()]
+    assert package_data["osprey"] == [*shipped, "backbones/*/*"]  # all it ships: the drafters and the backbones
     for target_name, choice in DEMOS.items():  # every drafter the package ships, under the 50 MB a product may take
         files = {path.name: path.stat().st_size for path in choice.drafter_dir.iterdir()}
         assert "README.md" in files and "config.json" in files and sum(files.values()) <= 50 * 2**20, target_name

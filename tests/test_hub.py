@@ -18,6 +18,7 @@ from huggingface_hub import ModelCard, constants, hf_hub_download
 from safetensors.torch import load as load_safetensors
 from test_convert import tiny_backbone, tiny_target_config
 from test_vocab_alignment import byte_level_tokenizer, metaspace_tokenizer
+from transformers import AutoModelForCausalLM
 
 from osprey import OspreyForDrafting, zoo
 from osprey.cli import main
@@ -387,3 +388,26 @@ def test_zoo_models_and_hub_ids_map_to_base_models(tmp_path):
     assert hub_model_id(str(cached)) == hub_model_id("gemma-3-270m") == ZOO_HUB_IDS["gemma-3-270m"]
     assert hub_model_id("Qwen/Qwen2.5-Coder-1.5B-Instruct") == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
     assert hub_model_id(str(tmp_path / "my-target")) is None and hub_model_id(None) is None
+
+
+def test_push_backbone_publishes_a_plain_causal_lm_with_its_card(hub, tmp_path, capsys):
+    folder = tmp_path / "backbone"
+    tiny_backbone("qwen2", len(byte_level_tokenizer())).save_pretrained(folder)
+    byte_level_tokenizer().save_pretrained(folder)
+    facts = zoo.BACKBONES[zoo.DEFAULT_BACKBONE].pack_dir / "osprey_backbone.json"
+    shutil.copy2(facts, folder / facts.name)
+    (folder / "optimizer.pt").write_bytes(b"\0")  # training leftovers stay local
+    before = snapshot(folder)
+    assert main(["push", "--backbone", str(folder), "--repo-id", "osprey-tester/backbone"]) == 0
+    assert snapshot(folder) == before
+    files = set(hub.files("osprey-tester/backbone"))
+    assert {"model.safetensors", "config.json", "osprey_backbone.json", "tokenizer.json", "README.md"} <= files
+    assert "optimizer.pt" not in files
+    card = ModelCard.load(hf_hub_download("osprey-tester/backbone", "README.md"))
+    assert card.data.base_model == "Qwen/Qwen2.5-Coder-0.5B-Instruct" and "drafter-backbone" in card.data.tags
+    reloaded = AutoModelForCausalLM.from_pretrained("osprey-tester/backbone")  # no remote code
+    assert type(reloaded).__name__ == "Qwen2ForCausalLM"
+
+    folder.joinpath("osprey_backbone.json").unlink()
+    assert main(["push", "--backbone", str(folder), "--repo-id", "osprey-tester/other"]) == 2
+    assert "not a pretrained Osprey backbone" in capsys.readouterr().err

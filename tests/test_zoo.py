@@ -200,10 +200,10 @@ def test_cli_rejects_unknown_names_with_exit_code_2(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_cli_lists_the_zoo(tmp_path, capsys):
+def test_cli_lists_the_zoo_and_the_pretrained_backbones(tmp_path, capsys):
     assert main(["fetch", "--list", "--cache-dir", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == list(zoo.ZOO)
+    assert [line.split()[0] for line in lines] == [*zoo.ZOO, *zoo.BACKBONES]
     assert all("not cached" in line for line in lines)
 
 

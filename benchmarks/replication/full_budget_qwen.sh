@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The full distillation budget of issue 17 §3 for Qwen2.5-Coder-1.5B-Instruct, resumable across machines: Osprey from
-# the finished stage-2 backbone (benchmarks/checkpoints/stage2-qwen2.5-coder-0.5b-2l-first/final, converted with the
+# the finished stage-2 backbone (osprey/backbones/osprey-backbone-qwen2.5-0.5b-2l, converted with the
 # shipped drafter's draft vocabulary) and the two controls built like it (`osprey baseline scratch|eagle3 --like`),
 # each distilled for TOKEN_PASSES (5 M) token-passes on the same features of the first EXAMPLES (4,800) regenerated
 # answers, in the same order with the same seed and settings (distill-qwen-full-budget.yaml).
@@ -48,7 +48,7 @@ OSPREY=${OSPREY:-.venv/bin/osprey}
 PYTHON=${PYTHON:-.venv/bin/python}
 TARGET=qwen2.5-coder-1.5b-instruct
 SHIPPED=osprey/demo_drafter_qwen
-BACKBONE_PACK=benchmarks/checkpoints/stage2-qwen2.5-coder-0.5b-2l-first/final
+BACKBONE_PACK=osprey/backbones/osprey-backbone-qwen2.5-0.5b-2l
 ANSWERS=benchmarks/checkpoints/regenerated-sharegpt-$TARGET
 CONFIG=benchmarks/replication/distill-qwen-full-budget.yaml
 EXAMPLES=${EXAMPLES:-4800}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 54's second target family: the finished stage-2 backbone (benchmarks/checkpoints/stage2-qwen2.5-coder-0.5b-
-# 2l-first/final, Qwen2 blocks and vocabulary) adapted to SmolLM2-135M-Instruct (Llama blocks, 49,152-token
-# vocabulary), against the body-random and EAGLE-3 controls built like it, each distilled for TOKEN_PASSES (1.25 M)
+# Issue 54's second target family: the finished stage-2 backbone (osprey/backbones/osprey-backbone-qwen2.5-0.5b-2l,
+# the zoo's `osprey-backbone-qwen2.5-0.5b-2l`: Qwen2 blocks and vocabulary) adapted to SmolLM2-135M-Instruct (Llama
+# blocks, 49,152-token vocabulary), against the body-random and EAGLE-3 controls built like it, each distilled for TOKEN_PASSES (1.25 M)
 # token-passes on the same features of the first EXAMPLES (2,600) answers the target wrote, in the same order with the
 # same seed and settings (distill-transfer-smollm2.yaml, the Qwen full budget's), then one bench. Resumable across
 # machines like full_budget_qwen.sh: each stage skips what is done and resumes what was cut; products are packed into
@@ -48,7 +48,7 @@ RUNS=${RUNS:-/work/runs}
 OSPREY=${OSPREY:-.venv/bin/osprey}
 PYTHON=${PYTHON:-.venv/bin/python}
 TARGET=smollm2-135m-instruct
-BACKBONE_PACK=benchmarks/checkpoints/stage2-qwen2.5-coder-0.5b-2l-first/final
+BACKBONE_PACK=osprey/backbones/osprey-backbone-qwen2.5-0.5b-2l
 BACKBONE=$RUNS/full-budget/backbone  # shared with full_budget_qwen.sh
 ANSWERS=benchmarks/checkpoints/regenerated-sharegpt-$TARGET
 CONFIG=benchmarks/replication/distill-transfer-smollm2.yaml

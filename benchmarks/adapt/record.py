@@ -1,0 +1,158 @@
+"""The record of one `benchmarks/adapt/run.sh TARGET` run: benchmarks/results/adapt-TARGET.json (and, where the
+control's learning curve is committed, adapt-TARGET-curves.png: held-out tau against minutes of this machine).
+
+    python benchmarks/adapt/record.py TARGET RUN_DIR --results benchmarks/results/adapt-TARGET --held-out english ...
+
+tau is the mean of the per-request tau over a held-out set (chains, greedy), as `osprey bench` reports per group;
+every method of a set decoded the same prompts in the same results file.
+"""
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+# The controls of each target, in its held-out results files: EAGLE-3 distilled on the same target's answers to the
+# same corpora (their token-passes), the shipped full-budget drafter where one exists, and the Osprey drafter of the
+# same full budget.
+CONTROLS = {
+    "qwen2.5-coder-1.5b-instruct": {
+        "eagle3": ("eagle3-mixed-step1095", 1_250_000),
+        "shipped": ("shipped-full-budget", 5_000_000),
+        "osprey_full_budget": ("mixed-slow-step1095", 1_250_000),
+        "curve": "eagle3-mixed-step",
+        # seconds per distillation step (4 sequences) on 2 cores, from the runs' logs in docs/results.md
+        "eagle3_seconds_per_step": 5.6,
+        "osprey_curve": "mixed-slow-step",
+        "osprey_seconds_per_step": 3.5,  # mixed-slow: 1,095 steps in 64 min
+    },
+    "smollm2-135m-instruct": {
+        "eagle3": ("eagle3", 1_250_000),
+        "osprey_full_budget": ("osprey", 1_250_000),
+    },
+}
+SET_NAMES = {"english": "english_subset", "multilingual": "held_out_non_english"}
+
+
+def set_taus(path: Path) -> dict[str, float]:
+    """Mean request tau per method of a results file."""
+    results = json.loads(path.read_text())
+    taus: dict[str, list[float]] = {}
+    for row in results["requests"]:
+        if row["tau"] is not None:
+            taus.setdefault(row["method"], []).append(row["tau"])
+    return {method: sum(values) / len(values) for method, values in taus.items()}
+
+
+def group_taus(path: Path, method: str) -> dict[str, float]:
+    """Mean request tau per category (language group) of one method."""
+    results = json.loads(path.read_text())
+    groups: dict[str, list[float]] = {}
+    for row in results["requests"]:
+        if row["method"] == method and row["tau"] is not None:
+            groups.setdefault(row["category"], []).append(row["tau"])
+    return {group: round(sum(values) / len(values), 4) for group, values in groups.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--results", required=True, help="prefix of the results files")
+    parser.add_argument("--held-out", nargs="+", required=True, choices=sorted(SET_NAMES))
+    args = parser.parse_args()
+    controls = CONTROLS[args.target]
+    state = json.loads((args.run_dir / "adapt.json").read_text())
+    stages = state["stages"]
+    minutes = sum(stage["minutes"] for stage in stages.values())
+    taus = {name: set_taus(Path(f"{args.results}-heldout-{name}.json")) for name in args.held_out}
+
+    def column(method: str) -> dict[str, float | None]:
+        return {SET_NAMES[name]: _round(taus[name].get(method)) for name in args.held_out}
+
+    demo = json.loads(Path(f"{args.results}-demo.json").read_text())
+    demo_overall = [
+        record for record in _summarize(demo) if record["method"] != "target" and record["category"] == "overall"
+    ][0]
+    wall_clock = args.run_dir / "wall_clock_s"
+    record = {
+        "target": args.target,
+        "minutes": round(minutes, 1),
+        "wall_clock_minutes": round(int(wall_clock.read_text()) / 60, 1) if wall_clock.is_file() else None,
+        "token_passes": stages["distill"]["token_passes"],
+        "tau": column("adapt"),
+        "eagle3_tau": column(controls["eagle3"][0]),
+        "eagle3_token_passes": controls["eagle3"][1],
+        "speedup": _round(demo_overall["speedup"]),
+        "demo_tau": _round(demo_overall["tau"]),
+        "demo_decoding": stages["evaluate"]["decoding"],
+        "adapt_speed_check": {
+            "speedup": _round(stages["evaluate"]["speedup"]),
+            "tau": _round(stages["evaluate"]["speed_tau"]),
+        },
+        "stages_minutes": {name: round(stage["minutes"], 2) for name, stage in stages.items()},
+        "answers": stages["answers"]["answers"],
+        "answer_tokens": stages["answers"]["answer_tokens"],
+        "settings": state["settings"],
+        "osprey_full_budget_tau": column(controls["osprey_full_budget"][0]),
+        "osprey_full_budget_token_passes": controls["osprey_full_budget"][1],
+    }
+    if "shipped" in controls:
+        record["shipped_tau"] = column(controls["shipped"][0])
+        record["shipped_token_passes"] = controls["shipped"][1]
+    if "multilingual" in args.held_out:
+        path = Path(f"{args.results}-heldout-multilingual.json")
+        record["tau_per_language_group"] = {
+            "adapt": group_taus(path, "adapt"),
+            "eagle3": group_taus(path, controls["eagle3"][0]),
+        }
+    output = Path(f"{args.results}.json")
+    output.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+    print(json.dumps(record, indent=2, ensure_ascii=False))
+    if "curve" in controls:
+        plot_curves(controls, taus, minutes, Path(f"{args.results}-curves.png"), args.held_out)
+
+
+def plot_curves(controls: dict, taus: dict, minutes: float, path: Path, sets: list[str]) -> None:
+    """Held-out tau against minutes of distillation on this machine: the EAGLE-3 control's and the full-budget Osprey
+    run's kept points (their steps times their measured seconds per step: answers and features not counted, which
+    favours them), and `osprey adapt`'s drafter at its whole wall-clock, answers included."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
+    for axis, name in zip(axes[0], sets):
+        for label, prefix, seconds in (
+            ("EAGLE-3 (same answers' corpora)", controls["curve"], controls["eagle3_seconds_per_step"]),
+            ("Osprey, full budget", controls["osprey_curve"], controls["osprey_seconds_per_step"]),
+        ):
+            points = sorted(
+                (int(re.search(r"step(\d+)$", method).group(1)) * seconds / 60, tau)
+                for method, tau in taus[name].items()
+                if method.startswith(prefix) and re.search(r"step(\d+)$", method)
+            )
+            axis.plot(*zip(*points), marker="o", label=label)
+        axis.scatter([minutes], [taus[name]["adapt"]], color="black", zorder=5, label="osprey adapt (whole run)")
+        axis.set_title(f"held-out τ, {SET_NAMES[name].replace('_', ' ')}")
+        axis.set_xlabel("minutes on 2 CPU cores")
+        axis.set_ylabel("τ (chains, greedy)")
+        axis.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def _summarize(results: dict) -> list[dict]:
+    from osprey.bench_report import summarize
+
+    return summarize(results)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+if __name__ == "__main__":
+    main()

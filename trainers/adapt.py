@@ -1,0 +1,598 @@
+"""`osprey adapt`: from a pretrained backbone to a measured drafter for any target, in one resumable command.
+
+    osprey adapt --target TARGET --output DIR [--backbone NAME] [--prompts SOURCE ...]
+                 [--token-passes 80k | --budget 20min] [--export vllm] [--push-to-hub REPO]
+
+The stages, each writing its product to `DIR/<stage>/` and marking it done (`DIR/adapt.json` records the times):
+
+1. `answers`: the target answers openings of a prompt set, greedily and batched (`trainers.regenerate`). The default
+   set mixes ShareGPT and the `multilingual-chat` corpus (28 languages) half and half: a drafter learns the text its
+   target writes, in the languages it will be asked in. `--prompts` takes the user's own (a JSONL file of `messages`
+   or `prompt` records, a folder, a corpus name or a Hub dataset).
+2. `drafter-init`: `osprey convert` of the backbone for the target: vocabulary alignment, the taps of the target's
+   preset (or the rule), zero-initialised QKV expansion, a draft vocabulary counted on the prompts and answers.
+3. `features`: the target's features of the answers (`osprey features`).
+4. `distill`: distillation for a budget of token-passes (default) or minutes, with TTT (`osprey distill`).
+5. `drafter`: the finished drafter as an ordinary checkpoint (with its custom-generate loop and model card).
+6. `evaluate`: held-out τ (chains, greedy) per language group on prompts no stage trained on, and a short speed check
+   against the target alone at the drafter's decoding shape (`osprey_decoding.json`, which `osprey demo --drafter DIR`
+   reads); the table is `osprey bench`'s.
+7. optional `export` (`--export vllm`) and `--push-to-hub REPO`.
+
+A rerun skips finished stages and resumes the one that was stopped (answers line by line, the feature cache after its
+last shard, distillation from its last checkpoint). A directory made for another target, backbone or prompt set is
+refused, and nothing else is written into a non-empty directory that `osprey adapt` did not make.
+
+The defaults come from the project's measured curves (docs/adapt.md): the converted backbone already drafts well, and
+the first ~0.1 M token-passes of distillation bring most of what longer runs reach, so the clock goes to writing
+answers, kept short and read for several epochs.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from osprey.demo import DECODING_NAME, decoding_shape
+from osprey.zoo import DEFAULT_BACKBONE
+
+STATE_NAME = "adapt.json"
+STAGES = ("answers", "drafter-init", "features", "distill", "drafter", "evaluate", "export")
+DEFAULT_PROMPTS = ("sharegpt", "multilingual-chat")
+# Held-out prompts of the evaluation: the test split of multilingual-chat (per language group) and Spec-Bench's
+# categories, which no stage trains on.
+HELD_OUT = (("multilingual_chat", 2), ("spec_bench", 1))
+SPEED_PROMPTS = 3
+
+
+@dataclass
+class AdaptSettings:
+    """What `osprey adapt` makes a drafter from, and how long it trains: the fields that name a run (a rerun in the
+    same directory must ask for the same) and those that may change on a rerun (evaluation, export)."""
+
+    target: str
+    backbone: str = DEFAULT_BACKBONE
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    num_prompts: int = 96
+    max_answer_tokens: int = 128
+    max_prompt_tokens: int = 256
+    answer_batch_size: int = 32
+    draft_vocab_size: int | None = 32000
+    token_passes: int | None = 80_000
+    budget_minutes: float | None = None
+    learning_rate: float = 3e-4
+    seed: int = 0
+    dtype: str = "bfloat16"
+    # not part of the run's identity
+    evaluate: bool = True
+    held_out_tokens: int = 48
+    export: str | None = None
+    push_to_hub: str | None = None
+
+    IDENTITY = (
+        "target",
+        "backbone",
+        "prompts",
+        "num_prompts",
+        "max_answer_tokens",
+        "max_prompt_tokens",
+        "draft_vocab_size",
+        "token_passes",
+        "budget_minutes",
+        "learning_rate",
+        "seed",
+        "dtype",
+    )
+
+    def identity(self) -> dict:
+        return {name: list(value) if isinstance(value, tuple) else value for name, value in self._items()}
+
+    def _items(self):
+        return ((name, getattr(self, name)) for name in self.IDENTITY)
+
+
+def parse_amount(text: str) -> int:
+    """`80k`, `1.5M`, `80000` -> an integer count."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmM]?)\s*", str(text))
+    if not match:
+        raise ValueError(f"expected a count such as 80k, 1.5M or 80000, got {text!r}")
+    return round(float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6}[match.group(2).lower()])
+
+
+def parse_minutes(text: str) -> float:
+    """`20min`, `1.5h`, `90m`, `45` (minutes) -> minutes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(min|m|h|s)?\s*", str(text))
+    if not match:
+        raise ValueError(f"expected a duration such as 20min, 1.5h or 45 (minutes), got {text!r}")
+    return float(match.group(1)) * {None: 1, "min": 1, "m": 1, "h": 60, "s": 1 / 60}[match.group(2)]
+
+
+class AdaptRun:
+    """One adaptation directory: its settings, which stages are done and how long each took."""
+
+    def __init__(self, output_dir: str | os.PathLike, settings: AdaptSettings):
+        self.dir = Path(output_dir)
+        self.settings = settings
+        self.state_path = self.dir / STATE_NAME
+        self.state = self._open()
+
+    def _open(self) -> dict:
+        identity = self.settings.identity()
+        if self.state_path.is_file():
+            state = json.loads(self.state_path.read_text())
+            saved = state["settings"]
+            changed = {name: (saved.get(name), value) for name, value in identity.items() if saved.get(name) != value}
+            if changed:
+                details = "; ".join(f"{name}: {old!r} there, {new!r} asked" for name, (old, new) in changed.items())
+                raise ValueError(
+                    f"{self.dir} holds an adaptation made with other settings ({details}). Pass a new --output, or "
+                    "the same settings to resume it."
+                )
+            return state
+        if self.dir.exists() and any(self.dir.iterdir()):
+            raise ValueError(
+                f"{self.dir} is not empty and was not made by `osprey adapt` (no {STATE_NAME}): pass a new or empty "
+                "--output, so that nothing already there is overwritten."
+            )
+        self.dir.mkdir(parents=True, exist_ok=True)
+        state = {"format": 1, "settings": identity, "stages": {}}
+        self._save(state)
+        return state
+
+    def _save(self, state: dict | None = None) -> None:
+        staging = self.state_path.with_suffix(".json.partial")
+        staging.write_text(json.dumps(state or self.state, indent=2) + "\n")
+        os.replace(staging, self.state_path)
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.dir / stage
+
+    def done(self, stage: str) -> bool:
+        return stage in self.state["stages"] and self.state["stages"][stage].get("done", False)
+
+    def run(self, stage: str, index: int, function) -> dict:
+        """Runs `function()` (returning the stage's record) unless the stage is done; times it, across resumes."""
+        total = len(STAGES)
+        if self.done(stage):
+            print(f"[{index}/{total}] {stage}: done ({self.state['stages'][stage]['minutes']:.1f} min), skipped")
+            return self.state["stages"][stage]
+        previous = self.state["stages"].get(stage, {}).get("minutes", 0.0)
+        print(f"[{index}/{total}] {stage} ...", flush=True)
+        start = time.perf_counter()
+        try:
+            record = function() or {}
+        finally:  # a stopped stage keeps the time it spent, so the total stays the wall-clock of the whole adaptation
+            minutes = previous + (time.perf_counter() - start) / 60
+            self.state["stages"].setdefault(stage, {})["minutes"] = minutes
+            self._save()
+        self.state["stages"][stage] = {**record, "minutes": minutes, "done": True}
+        self._save()
+        print(f"[{index}/{total}] {stage}: done in {minutes:.1f} min", flush=True)
+        return self.state["stages"][stage]
+
+    @property
+    def minutes(self) -> float:
+        return sum(stage.get("minutes", 0.0) for stage in self.state["stages"].values())
+
+
+# ------------------------------------------------------------------------------------------------------- the stages
+
+
+def _prompt_records(source: str, split: str = "train"):
+    """The records of a prompt source: a corpus name, folder, JSONL file or Hub dataset; `prompt` / `text` records
+    become one user message."""
+    from .data import DatasetArguments, load_text_dataset
+
+    dataset = load_text_dataset(DatasetArguments(dataset_name=source))
+    if split not in dataset:
+        raise ValueError(f"The prompt source {source!r} has no {split!r} split (it has {sorted(dataset)}).")
+    records = dataset[split]
+    columns = set(records.column_names)
+    if "messages" in columns:
+        return records
+    for column in ("prompt", "text", "question", "instruction"):
+        if column in columns:
+            return records.map(
+                lambda row, column=column: {"messages": [{"role": "user", "content": row[column]}]},
+                remove_columns=list(columns - {"id"}),
+            )
+    raise ValueError(
+        f"The prompt source {source!r} has no `messages`, `prompt` or `text` column (it has {sorted(columns)}): give "
+        "one chat (`messages`) or one prompt per record."
+    )
+
+
+def write_answers(run: AdaptRun, target, tokenizer) -> dict:
+    """The target's greedy answers to `num_prompts` openings split evenly over the prompt sources, appended line by
+    line to `answers/<i>-<source>.jsonl` (a stopped run resumes), then joined into `answers/train.jsonl`."""
+    from .regenerate import RegenerateArguments, regenerate_split
+
+    settings = run.settings
+    folder = run.stage_dir("answers")
+    folder.mkdir(exist_ok=True)
+    sources = settings.prompts
+    share = [
+        settings.num_prompts // len(sources) + (i < settings.num_prompts % len(sources)) for i in range(len(sources))
+    ]
+    written, parts = 0, []
+    for i, (source, count) in enumerate(zip(sources, share)):
+        arguments = RegenerateArguments(
+            dataset_name=source,
+            target_model=settings.target,
+            output_dir=str(folder),
+            max_new_tokens=settings.max_answer_tokens,
+            max_prompt_tokens=settings.max_prompt_tokens,
+            batch_size=settings.answer_batch_size,
+            seed=settings.seed,
+        )
+        path = folder / f"{i}-{Path(source).name or source}.jsonl"
+        written += regenerate_split(target, tokenizer, _prompt_records(source), path, arguments, count)
+        parts.append(path)
+    lines = [line for path in parts for line in path.read_text(encoding="utf-8").splitlines(keepends=True)]
+    if not lines:
+        raise ValueError(f"No prompt of {list(sources)} fits --max-prompt-tokens {settings.max_prompt_tokens}.")
+    (folder / "train.jsonl").write_text("".join(lines), encoding="utf-8")
+    tokens = sum(len(tokenizer(json.loads(line)["messages"][-1]["content"])["input_ids"]) for line in lines)
+    return {"answers": len(lines), "answer_tokens": tokens, "written_now": written}
+
+
+def convert_backbone(run: AdaptRun) -> dict:
+    """`osprey convert` into `drafter-init/` (rebuilt whole if a previous attempt stopped), the draft vocabulary counted
+    on the openings and the target's answers."""
+    from osprey.convert import convert
+
+    settings = run.settings
+    folder = run.stage_dir("drafter-init")
+    shutil.rmtree(folder, ignore_errors=True)
+    corpus = run.stage_dir("answers") / "vocabulary.txt"
+    with corpus.open("w", encoding="utf-8") as handle:
+        for line in (run.stage_dir("answers") / "train.jsonl").read_text(encoding="utf-8").splitlines():
+            handle.write("\n".join(message["content"] for message in json.loads(line)["messages"]) + "\n")
+    _, report = convert(
+        settings.backbone,
+        settings.target,
+        draft_vocab_size=settings.draft_vocab_size,
+        corpus=[corpus] if settings.draft_vocab_size else None,
+        output_dir=folder,
+    )
+    return {"target_layer_ids": report["target_layer_ids"], "draft_vocab": report["draft_vocab"]}
+
+
+def build_features(run: AdaptRun, target, tokenizer, layer_ids) -> dict:
+    from .data import DatasetArguments, load_text_dataset
+    from .feature_cache import build_feature_cache
+    from .tokenization import tokenize_dataset
+
+    dataset = load_text_dataset(DatasetArguments(dataset_name=str(run.stage_dir("answers") / "train.jsonl")))
+    max_length = run.settings.max_prompt_tokens + run.settings.max_answer_tokens + 16
+    examples = tokenize_dataset(dataset["train"], tokenizer, max_length, "text", True)
+    path = build_feature_cache(
+        target,
+        {"train": examples},
+        run.stage_dir("features"),
+        layer_ids,
+        batch_size=4,
+        target_name=run.settings.target,
+    )
+    index = json.loads((path / "feature_cache.json").read_text())
+    train = index["splits"]["train"]
+    return {"sequences": train["num_sequences"], "tokens": train["num_tokens"]}
+
+
+class StopAtDeadline:
+    """A `TrainerCallback` that ends training (saving the model as finished) once `minutes` of training have passed,
+    counted across resumes from the step the run resumed at."""
+
+    def __new__(cls, minutes: float, already: float):
+        from transformers import TrainerCallback
+
+        class _Stop(TrainerCallback):
+            def __init__(self):
+                self.deadline = time.perf_counter() + (minutes - already) * 60
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if time.perf_counter() >= self.deadline:
+                    control.should_training_stop = True
+                return control
+
+        return _Stop()
+
+
+def distill_drafter(run: AdaptRun, features: dict) -> dict:
+    """Distillation into `distill/` for the budget: steps of 4 sequences that make `token_passes` token-passes of the
+    feature cache (tokens read once per pass, prompt and answer), or until `budget_minutes` have passed (a constant
+    learning rate after warm-up then, as the end is not known in steps)."""
+    from osprey.pack import load_drafter
+    from osprey.zoo import load_tokenizer
+
+    from .devices import train_and_save
+    from .distill import OspreyDistillConfig, OspreyDistillTrainer
+    from .feature_cache import FeatureCacheDataset
+
+    settings = run.settings
+    batch = 4
+    per_sequence = features["tokens"] / features["sequences"]
+    if settings.budget_minutes is not None:
+        max_steps, schedule = 1_000_000, "constant_with_warmup"
+    else:
+        max_steps, schedule = max(1, math.ceil(settings.token_passes / (batch * per_sequence))), "cosine"
+    output = run.stage_dir("distill")
+    resume = any(output.glob("checkpoint-*"))
+    config = OspreyDistillConfig(
+        output_dir=str(output),
+        feature_cache=str(run.stage_dir("features")),
+        ttt_steps=5,
+        ttt_decay=0.8,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type=schedule,
+        warmup_steps=min(50, max(1, max_steps // 10)),
+        max_grad_norm=0.5,
+        max_steps=max_steps,
+        logging_steps=10,
+        eval_strategy="no",
+        save_strategy="steps",
+        save_steps=50,
+        save_total_limit=1,
+        report_to="none",
+        seed=settings.seed,
+        bf16=not torch.cuda.is_available() or torch.cuda.is_bf16_supported(),
+        use_cpu=not torch.cuda.is_available(),
+        freeze_embeddings=True,
+        train_sampling_strategy="group_by_length",
+        disable_tqdm=False,
+    )
+    drafter = load_drafter(run.stage_dir("drafter-init"))
+    trainer = OspreyDistillTrainer(
+        drafter,
+        config,
+        train_dataset=FeatureCacheDataset(run.stage_dir("features"), "train"),
+        processing_class=load_tokenizer(run.stage_dir("drafter-init")),
+    )
+    if settings.budget_minutes is not None:
+        already = run.state["stages"].get("distill", {}).get("minutes", 0.0)
+        trainer.add_callback(StopAtDeadline(settings.budget_minutes, already))
+    status = train_and_save(trainer, True if resume else None)
+    if status:
+        raise KeyboardInterrupt(f"distillation stopped (exit {status}); rerun the same command to resume it")
+    trainer.save_state()
+    steps = trainer.state.global_step
+    return {"steps": steps, "token_passes": round(steps * batch * per_sequence)}
+
+
+def finish_drafter(run: AdaptRun, decoding: dict) -> dict:
+    """The distilled drafter as an ordinary checkpoint in `drafter/`, with the target's tokenizer, its alignment
+    report, training record and the decoding shape it is measured and served with."""
+    from osprey.pack import load_drafter
+    from osprey.zoo import load_tokenizer
+
+    folder = run.stage_dir("drafter")
+    shutil.rmtree(folder, ignore_errors=True)
+    drafter = load_drafter(run.stage_dir("distill"))
+    drafter.save_pretrained(folder)
+    load_tokenizer(run.stage_dir("drafter-init")).save_pretrained(folder)
+    for name in ("alignment_report.json", "trainer_state.json"):
+        for source in (run.stage_dir("distill"), run.stage_dir("drafter-init")):
+            if (source / name).is_file():
+                shutil.copy2(source / name, folder / name)
+                break
+    (folder / DECODING_NAME).write_text(json.dumps(decoding, indent=2) + "\n")
+    return {"path": str(folder)}
+
+
+def evaluate_drafter(run: AdaptRun, target, tokenizer, decoding: dict) -> dict:
+    """Held-out τ (chains, greedy, float drafter) per language group, and the speed check against the target alone
+    at the drafter's decoding shape; both `osprey bench` runs saved in `evaluate/` with their tables."""
+    from osprey.bench import BenchMethod, BenchSettings, run_benchmark
+    from osprey.bench_report import exit_status, markdown_table, save_report, summarize
+    from osprey.bench_suites import load_suite, select_subset
+    from osprey.demo import DEMO_PROMPTS
+    from osprey.pack import load_drafter
+
+    folder = run.stage_dir("evaluate")
+    folder.mkdir(exist_ok=True)
+    drafter_dir = run.stage_dir("drafter")
+    dtype = getattr(torch, run.settings.dtype)
+    prompts = [prompt for suite, per in HELD_OUT for prompt in select_subset(load_suite(suite), per, 0)]
+    drafter = load_drafter(drafter_dir, dtype)
+    held_out = run_benchmark(
+        target,
+        tokenizer,
+        [BenchMethod("osprey", f"drafter:{drafter_dir}", drafter=drafter)],
+        prompts,
+        BenchSettings(max_new_tokens=run.settings.held_out_tokens, confidence_threshold=0.0),
+        output_path=folder / "held-out.json",
+        target_name=run.settings.target,
+    )
+    save_report(held_out, folder / "held-out.json")
+    tau = {}
+    for record in summarize(held_out):
+        if record["method"] == "osprey" and (record["category"] == "overall" or record["suite"] == "multilingual_chat"):
+            tau[record["suite"] if record["category"] == "overall" else record["category"]] = record["tau"]
+    shape = dict(decoding)
+    shape.pop("dtype", None)  # the target's, as in the held-out run
+    settings = BenchSettings(max_new_tokens=64, **shape)
+    fast = load_drafter(drafter_dir, dtype, quantization=settings.drafter_quantization)
+    osprey = BenchMethod(
+        "osprey",
+        f"drafter:{drafter_dir}",
+        drafter=fast,
+        tree=settings.draft_topk > 1,
+        lookup=settings.prompt_lookup_num_tokens > 0,
+    )
+    speed = run_benchmark(
+        target,
+        tokenizer,
+        [BenchMethod("target", "target"), osprey],
+        DEMO_PROMPTS[:SPEED_PROMPTS],
+        settings,
+        output_path=folder / "speed.json",
+        target_name=run.settings.target,
+    )
+    save_report(speed, folder / "speed.json")
+    overall = next(r for r in summarize(speed) if r["method"] != "target" and r["category"] == "overall")
+    print(markdown_table(held_out))
+    print(markdown_table(speed))
+    failed = exit_status(held_out) or exit_status(speed)
+    return {
+        "tau": tau,
+        "speedup": overall["speedup"],
+        "speed_tau": overall["tau"],
+        "decoding": decoding,
+        "outputs_checked": not failed,
+    }
+
+
+def export_stage(run: AdaptRun) -> dict:
+    from osprey.export import export_drafter
+
+    folder = run.stage_dir("export")
+    shutil.rmtree(folder, ignore_errors=True)
+    export_drafter(run.stage_dir("drafter"), run.settings.export, folder, target=run.settings.target)
+    return {"format": run.settings.export, "path": str(folder)}
+
+
+# ------------------------------------------------------------------------------------------------------------ driver
+
+
+def adapt(output_dir: str | os.PathLike, settings: AdaptSettings) -> dict:
+    """Runs (or resumes) every stage of the adaptation in `output_dir`; returns `adapt.json`'s record. The Python
+    API of `osprey adapt`: `trainers.adapt.adapt("runs/my-drafter", AdaptSettings(target="..."))`."""
+    from osprey.model_card import drafter_card
+    from osprey.zoo import load_causal_lm, load_tokenizer
+
+    if settings.token_passes is None and settings.budget_minutes is None:
+        raise ValueError("Give a distillation budget: --token-passes (e.g. 80k) or --budget (e.g. 20min).")
+    if settings.export not in (None, "vllm", "sglang", "speculators"):
+        raise ValueError(f"--export takes vllm, sglang or speculators, not {settings.export!r}.")
+    run = AdaptRun(output_dir, settings)
+    dtype = getattr(torch, settings.dtype)
+    target = tokenizer = None
+
+    def loaded_target():
+        nonlocal target, tokenizer
+        if target is None:
+            tokenizer = load_tokenizer(settings.target)
+            target = load_causal_lm(settings.target, dtype=dtype).eval()
+        return target, tokenizer
+
+    run.run("answers", 1, lambda: write_answers(run, *loaded_target()))
+    converted = run.run("drafter-init", 2, lambda: convert_backbone(run))
+    features = run.run("features", 3, lambda: build_features(run, *loaded_target(), converted["target_layer_ids"]))
+    target = None  # distillation reads the cache: the target's memory goes back while it trains
+    run.run("distill", 4, lambda: distill_drafter(run, features))
+    decoding = decoding_shape() | {"dtype": settings.dtype}
+    run.run("drafter", 5, lambda: finish_drafter(run, decoding))
+    if settings.evaluate:
+        run.run("evaluate", 6, lambda: evaluate_drafter(run, *loaded_target(), decoding))
+        bench = run.stage_dir("evaluate") / "held-out.json"
+        card = drafter_card(
+            run.stage_dir("drafter"), f"osprey-drafter-{Path(settings.target).name}", bench_results=bench
+        )
+        (run.stage_dir("drafter") / "README.md").write_text(str(card), encoding="utf-8")
+    if settings.export:
+        run.run("export", 7, lambda: export_stage(run))
+    if settings.push_to_hub:
+        from osprey.hub import push_drafter_folder
+
+        bench = run.stage_dir("evaluate") / "held-out.json"
+        commit = push_drafter_folder(
+            run.stage_dir("drafter"), settings.push_to_hub, bench_results=bench if bench.is_file() else None
+        )
+        print(f"published {run.stage_dir('drafter')} to {commit.repo_url}")
+    print(summary(run))
+    if not run.state["stages"].get("evaluate", {}).get("outputs_checked", True):
+        raise RuntimeError(
+            "The drafter's decoded outputs differ from the target's where rounding does not explain it (the tables "
+            f"above, {run.stage_dir('evaluate')}): decoding is not lossless here; please report it."
+        )
+    return run.state
+
+
+def summary(run: AdaptRun) -> str:
+    stages = run.state["stages"]
+    lines = [f"adapted {run.settings.backbone} to {run.settings.target} in {run.minutes:.1f} min:"]
+    for stage in STAGES:
+        if stage in stages:
+            lines.append(f"  {stage:<13} {stages[stage]['minutes']:6.1f} min")
+    distill = stages.get("distill", {})
+    if "token_passes" in distill:
+        lines.append(f"  distilled for {distill['token_passes']:,} token-passes ({distill['steps']} steps)")
+    evaluation = stages.get("evaluate", {})
+    if "tau" in evaluation:
+        taus = ", ".join(f"{name} {value:.2f}" for name, value in evaluation["tau"].items())
+        lines.append(f"  held-out τ (chains): {taus}")
+        lines.append(f"  speed check: {evaluation['speedup']:.2f}x the target alone (τ {evaluation['speed_tau']:.2f})")
+    lines.append(f"  drafter: {run.stage_dir('drafter')}  (osprey demo --drafter {run.stage_dir('drafter')})")
+    return "\n".join(lines)
+
+
+def add_subcommand(subparsers) -> None:
+    """Adds `osprey adapt` to the CLI (see `osprey.cli`)."""
+    parser = subparsers.add_parser(
+        "adapt",
+        help="make a measured drafter for a target from the pretrained backbone, in one resumable command",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--target", required=True, help="target LLM: zoo name, local directory or Hub id")
+    parser.add_argument("--output", required=True, help="new or empty directory (or one to resume)")
+    parser.add_argument(
+        "--backbone", default=DEFAULT_BACKBONE, help=f"pretrained backbone (default: {DEFAULT_BACKBONE})"
+    )
+    parser.add_argument(
+        "--prompts",
+        nargs="+",
+        metavar="SOURCE",
+        help="prompt sets the target answers, split evenly: corpus name, JSONL file (`messages` or `prompt` per "
+        f"line), folder or Hub dataset (default: {' '.join(DEFAULT_PROMPTS)})",
+    )
+    parser.add_argument("--num-prompts", type=int, default=AdaptSettings.num_prompts, help="openings answered")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=AdaptSettings.max_answer_tokens, help="longest answer written (tokens)"
+    )
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--token-passes", type=parse_amount, help="distillation budget in token-passes, e.g. 80k (the default)"
+    )
+    budget.add_argument("--budget", type=parse_minutes, help="distillation budget in wall-clock, e.g. 20min")
+    parser.add_argument("--draft-vocab-size", type=int, default=AdaptSettings.draft_vocab_size)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=AdaptSettings.dtype, help="target dtype")
+    parser.add_argument("--seed", type=int, default=AdaptSettings.seed)
+    parser.add_argument("--no-evaluate", action="store_true", help="skip the held-out τ and the speed check")
+    parser.add_argument("--export", choices=("vllm", "sglang", "speculators"), help="also export the drafter")
+    parser.add_argument("--push-to-hub", metavar="REPO", help="publish the drafter with its card")
+    parser.set_defaults(run=_run_adapt)
+
+
+def _run_adapt(args) -> int:
+    settings = AdaptSettings(
+        target=args.target,
+        backbone=args.backbone,
+        prompts=tuple(args.prompts or DEFAULT_PROMPTS),
+        num_prompts=args.num_prompts,
+        max_answer_tokens=args.max_new_tokens,
+        draft_vocab_size=args.draft_vocab_size,
+        token_passes=None if args.budget is not None else (args.token_passes or AdaptSettings.token_passes),
+        budget_minutes=args.budget,
+        dtype=args.dtype,
+        seed=args.seed,
+        evaluate=not args.no_evaluate,
+        export=args.export,
+        push_to_hub=args.push_to_hub,
+    )
+    try:
+        adapt(args.output, settings)
+    except KeyboardInterrupt as stop:
+        print(f"osprey adapt: stopped: {stop or 'interrupted'}. Rerun the same command to resume.", file=sys.stderr)
+        return 130
+    return 0
