@@ -1,6 +1,7 @@
 """`osprey adapt`: one resumable command from a backbone to a drafter (tiny models, no evaluation), and the shipped
 pretrained backbone as a zoo product with its card."""
 
+import argparse
 import json
 
 import pytest
@@ -103,7 +104,7 @@ def test_adapt_refuses_a_directory_it_did_not_make(tmp_path):
 def test_budgets_parse_and_bad_ones_name_the_format(capsys):
     assert parse_amount("80k") == 80_000 and parse_amount("1.5M") == 1_500_000 and parse_amount("800") == 800
     assert parse_minutes("20min") == 20 and parse_minutes("1.5h") == 90 and parse_minutes("45") == 45
-    with pytest.raises(ValueError, match="such as 80k"):
+    with pytest.raises(argparse.ArgumentTypeError, match="such as 80k"):
         parse_amount("lots")
     with pytest.raises(SystemExit):
         osprey_main(["adapt", "--target", "t", "--output", "o", "--token-passes", "1k", "--budget", "5min"])

@@ -13,7 +13,13 @@ from trainers.pretrain import OspreyPretrainConfig, PretrainScriptArguments
 from trainers.regenerate import RegenerateArguments
 
 # The things several commands take, and the one flag each is spelled with.
-SHARED = {"target": "--target", "drafter": "--drafter", "backbone": "--backbone", "output": "--output"}
+SHARED = {
+    "target": "--target",
+    "drafter": "--drafter",
+    "backbone": "--backbone",
+    "output": "--output",
+    "prompts": "--prompts",
+}
 TRL_COMMANDS = ("pretrain", "features", "distill", "regenerate")
 
 
@@ -24,9 +30,8 @@ def argparse_commands() -> dict[str, argparse.ArgumentParser]:
 
 def test_argparse_commands_speak_one_vocabulary():
     commands = argparse_commands()
-    assert {"prune", "convert", "decode", "bench", "export", "push", "baseline", "demo", "pack", "unpack"} <= set(
-        commands
-    )
+    expected = {"prune", "convert", "decode", "bench", "export", "push", "baseline", "demo", "pack", "unpack", "adapt"}
+    assert expected <= set(commands)
     for name, parser in commands.items():
         for action in parser._actions:
             flags = [flag for flag in action.option_strings if flag.startswith("--")]

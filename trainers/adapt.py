@@ -51,6 +51,7 @@ DEFAULT_PROMPTS = ("sharegpt", "multilingual-chat")
 # categories, which no stage trains on.
 HELD_OUT = (("multilingual_chat", 2), ("spec_bench", 1))
 SPEED_PROMPTS = 3
+VOCABULARY_CHARACTERS = 4_000_000
 
 
 @dataclass
@@ -61,7 +62,7 @@ class AdaptSettings:
     target: str
     backbone: str = DEFAULT_BACKBONE
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
-    num_prompts: int = 96
+    num_prompts: int = 256
     max_answer_tokens: int = 128
     max_prompt_tokens: int = 256
     answer_batch_size: int = 32
@@ -69,6 +70,7 @@ class AdaptSettings:
     token_passes: int | None = 80_000
     budget_minutes: float | None = None
     learning_rate: float = 3e-4
+    pretrained_learning_rate_scale: float = 0.25
     seed: int = 0
     dtype: str = "bfloat16"
     # not part of the run's identity
@@ -88,22 +90,22 @@ class AdaptSettings:
         "token_passes",
         "budget_minutes",
         "learning_rate",
+        "pretrained_learning_rate_scale",
         "seed",
         "dtype",
     )
 
     def identity(self) -> dict:
-        return {name: list(value) if isinstance(value, tuple) else value for name, value in self._items()}
-
-    def _items(self):
-        return ((name, getattr(self, name)) for name in self.IDENTITY)
+        """The fields that name the run, as `adapt.json` records them."""
+        values = {name: getattr(self, name) for name in self.IDENTITY}
+        return {name: list(value) if isinstance(value, tuple) else value for name, value in values.items()}
 
 
 def parse_amount(text: str) -> int:
     """`80k`, `1.5M`, `80000` -> an integer count."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmM]?)\s*", str(text))
     if not match:
-        raise ValueError(f"expected a count such as 80k, 1.5M or 80000, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a count such as 80k, 1.5M or 80000, got {text!r}")
     return round(float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6}[match.group(2).lower()])
 
 
@@ -111,7 +113,7 @@ def parse_minutes(text: str) -> float:
     """`20min`, `1.5h`, `90m`, `45` (minutes) -> minutes."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(min|m|h|s)?\s*", str(text))
     if not match:
-        raise ValueError(f"expected a duration such as 20min, 1.5h or 45 (minutes), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a duration such as 20min, 1.5h or 45 (minutes), got {text!r}")
     return float(match.group(1)) * {None: 1, "min": 1, "m": 1, "h": 60, "s": 1 / 60}[match.group(2)]
 
 
@@ -245,8 +247,9 @@ def write_answers(run: AdaptRun, target, tokenizer) -> dict:
 
 
 def convert_backbone(run: AdaptRun) -> dict:
-    """`osprey convert` into `drafter-init/` (rebuilt whole if a previous attempt stopped), the draft vocabulary counted
-    on the openings and the target's answers."""
+    """`osprey convert` into `drafter-init/` (rebuilt whole if a previous attempt stopped). The draft vocabulary is
+    counted on the target's answers and on up to `VOCABULARY_CHARACTERS` of each prompt set's conversations: the
+    answers alone are too few tokens to rank a 32k vocabulary, and a chain ends at every token outside it."""
     from osprey.convert import convert
 
     settings = run.settings
@@ -256,6 +259,14 @@ def convert_backbone(run: AdaptRun) -> dict:
     with corpus.open("w", encoding="utf-8") as handle:
         for line in (run.stage_dir("answers") / "train.jsonl").read_text(encoding="utf-8").splitlines():
             handle.write("\n".join(message["content"] for message in json.loads(line)["messages"]) + "\n")
+        for source in settings.prompts:
+            written = 0
+            for messages in _prompt_records(source)["messages"]:
+                text = "\n".join(message["content"] for message in messages) + "\n"
+                handle.write(text)
+                written += len(text)
+                if written >= VOCABULARY_CHARACTERS:
+                    break
     _, report = convert(
         settings.backbone,
         settings.target,
@@ -334,6 +345,7 @@ def distill_drafter(run: AdaptRun, features: dict) -> dict:
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=1,
         learning_rate=settings.learning_rate,
+        pretrained_learning_rate_scale=settings.pretrained_learning_rate_scale,
         lr_scheduler_type=schedule,
         warmup_steps=min(50, max(1, max_steps // 10)),
         max_grad_norm=0.5,
@@ -551,10 +563,10 @@ def add_subcommand(subparsers) -> None:
     )
     parser.add_argument(
         "--prompts",
-        nargs="+",
+        action="append",
         metavar="SOURCE",
-        help="prompt sets the target answers, split evenly: corpus name, JSONL file (`messages` or `prompt` per "
-        f"line), folder or Hub dataset (default: {' '.join(DEFAULT_PROMPTS)})",
+        help="a prompt set the target answers (repeatable; the openings are split evenly): corpus name, JSONL file "
+        f"(`messages` or `prompt` per line), folder or Hub dataset (default: {', '.join(DEFAULT_PROMPTS)})",
     )
     parser.add_argument("--num-prompts", type=int, default=AdaptSettings.num_prompts, help="openings answered")
     parser.add_argument(

@@ -32,6 +32,7 @@ CONTROLS = {
     },
 }
 SET_NAMES = {"english": "english_subset", "multilingual": "held_out_non_english"}
+SET_TITLES = {"english": "the 25-prompt English subset", "multilingual": "held-out non-English openings"}
 
 
 def set_taus(path: Path) -> dict[str, float]:
@@ -135,7 +136,7 @@ def plot_curves(controls: dict, taus: dict, minutes: float, path: Path, sets: li
             )
             axis.plot(*zip(*points), marker="o", label=label)
         axis.scatter([minutes], [taus[name]["adapt"]], color="black", zorder=5, label="osprey adapt (whole run)")
-        axis.set_title(f"held-out τ, {SET_NAMES[name].replace('_', ' ')}")
+        axis.set_title(f"τ on {SET_TITLES[name]}")
         axis.set_xlabel("minutes on 2 CPU cores")
         axis.set_ylabel("τ (chains, greedy)")
         axis.grid(alpha=0.3)
