@@ -872,7 +872,8 @@ CHAT_TASKS = ("summarize", "explain", "key-points", "questions", "rewrite")
 # and 2.6 to 2.8 of Arabic: these keep a passage under about 280 tokens and the whole opening under about 300.
 CHAT_PASSAGE_CHARACTERS = {"latin": 540, "cyrillic": 460, "cjk": 300, "other-scripts": 300}
 CHAT_PASSAGE_CHARACTERS_BY_LANGUAGE = {"el": 220, "ar": 560}
-CHAT_EXCLUDED_SOURCES = ("iso-codes", "fortunes")
+CHAT_EXCLUDED_GROUPS = ("en", "code")  # English and code have no templates
+CHAT_EXCLUDED_SOURCES = ("iso-codes", "fortunes")  # not prose
 CHAT_MAX_PER_LANGUAGE = 400
 CHAT_MAX_TEST_PER_LANGUAGE = 10
 # Function words of English that other Latin-script languages do not use as words: a passage where they make more
@@ -892,6 +893,11 @@ class ChatLanguage:
 
     def instruction(self, task: str) -> str:
         return self.instructions[CHAT_TASKS.index(task)]
+
+
+def makes_chat_openings(group: str, source: str) -> bool:
+    """Whether a `multilingual` chunk of this language group and source may become an opening: non-English prose."""
+    return group not in CHAT_EXCLUDED_GROUPS and source not in CHAT_EXCLUDED_SOURCES
 
 
 def _language(scripts: str, *instructions: str) -> ChatLanguage:
@@ -1226,7 +1232,7 @@ def multilingual_chat_records(
     without_templates: Counter = Counter()
     for split in caps:
         for chunk in source_splits.get(split, []):
-            if chunk["group"] in ("en", "code") or chunk["source"] in CHAT_EXCLUDED_SOURCES:
+            if not makes_chat_openings(chunk["group"], chunk["source"]):
                 continue
             lang = chat_language_of(chunk["lang"])
             if lang is None:
@@ -1293,7 +1299,6 @@ def prepare_multilingual_chat(
     (SHA-256), the settings, and openings per language and group.
     """
     import pyarrow as pa
-    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     directory = cache_root(cache_dir) / "data" / "multilingual-chat"
@@ -1318,9 +1323,8 @@ def prepare_multilingual_chat(
         if not table.num_rows:  # an empty split is written without columns
             source_splits[split] = []
             continue
-        english_or_code = pc.is_in(table["group"], value_set=pa.array(["en", "code"]))
-        not_prose = pc.is_in(table["source"], value_set=pa.array(CHAT_EXCLUDED_SOURCES))
-        source_splits[split] = table.filter(pc.invert(pc.or_(english_or_code, not_prose))).to_pylist()
+        kept = map(makes_chat_openings, table["group"].to_pylist(), table["source"].to_pylist())
+        source_splits[split] = table.filter(pa.array(list(kept), type=pa.bool_())).to_pylist()
     splits, stats = multilingual_chat_records(source_splits, max_per_language, max_test_per_language)
     if not splits["train"] and not splits["test"]:
         kept_langs = sorted({chunk["lang"] for rows in source_splits.values() for chunk in rows})
