@@ -250,6 +250,21 @@ def test_leading_paragraphs_fit_the_budget_and_end_at_a_blank_line():
     assert [multilingual.chat_language_of(tag) for tag in tags] == ["pt", None, None, None]
 
 
+def test_the_chat_templates_file_holds_the_templates_data_py_held():
+    """`trainers/chat_templates.json` gives back `CHAT_LANGUAGES` as it was written in `data.py` before it moved to
+    the file: the same languages in the same order, scripts and instructions (hashed then), and the same
+    `templates_sha256` in the corpus manifest."""
+    languages = multilingual.CHAT_LANGUAGES
+    written = {lang: [sorted(language.scripts), list(language.instructions)] for lang, language in languages.items()}
+    digest = hashlib.sha256(json.dumps(written, ensure_ascii=False).encode()).hexdigest()
+    assert digest == "26b9a2c5b0c2ced8c3442110acd5ccd48bf9fa5e06ae2763ba3a291906a59784"
+    manifest = json.dumps({lang: language.instructions for lang, language in languages.items()})
+    assert hashlib.sha256(manifest.encode()).hexdigest() == (
+        "2c477e3cb09e9d8fb031903757ab83ce2d712d614d6000e398023e9c89e30ce2"
+    )
+    assert all(isinstance(language.instructions, tuple) for language in languages.values())
+
+
 def test_a_passage_held_out_is_never_trained_on():
     text = "Titel\n\n" + "Der Drucker ist über das Netzwerk mit dem Rechner im Büro verbunden. " * 4
     chunk = {"text": text, "source": "s", "lang": "de", "group": "latin"}
