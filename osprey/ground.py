@@ -1,6 +1,7 @@
 """The ground of the `osprey` floor: helpers every stage shares, importing nothing from `osprey` itself.
 
-- where things are cached (`cache_root`) and where the evaluation prompts live (`eval_data_dir`);
+- where things are cached (`cache_root`), where the evaluation prompts live (`eval_data_dir`), and the training
+  corpora's names and folders (`CORPUS_NAMES`, `corpus_dir`);
 - the one pip-wheel downloader (`download_wheels`), used by the zoo, the corpora and the prompt suites;
 - output folders: refusing to overwrite what a user saved (`require_empty_output_dir`), and the license notices that
   travel with every derived checkpoint (`is_notice`, `copy_notices`);
@@ -42,6 +43,17 @@ def eval_data_dir() -> Path:
     """The folder holding `spec_bench/question.jsonl` and `mt_bench/<lang>.jsonl`: `$OSPREY_DATA_DIR`, else the
     shared data folder beside the repository."""
     return Path(os.environ.get("OSPREY_DATA_DIR") or DEFAULT_EVAL_DATA_DIR)
+
+
+# The offline training corpora `osprey data NAME` builds (`trainers.data`), each in its own folder (`corpus_dir`).
+CORPUS_NAMES = ("general", "multilingual", "multilingual-chat", "sharegpt")
+
+
+def corpus_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where corpus `name` (one of `CORPUS_NAMES`) is built: `<cache root>/data/<name>`."""
+    if name not in CORPUS_NAMES:
+        raise ValueError(f"Unknown corpus {name!r}: the corpora are {', '.join(CORPUS_NAMES)}.")
+    return cache_root(cache_dir) / "data" / name
 
 
 def requirement_key(requirement: str) -> str:

@@ -379,3 +379,13 @@ def test_cli_data_multilingual_chat_takes_its_caps_and_refuses_them_elsewhere(
     assert "other caps" in capsys.readouterr().err
     assert main(["data", "general", "--cache-dir", str(tmp_path), "--max-test-per-language", "1"]) == 2
     assert "multilingual-chat corpus only" in capsys.readouterr().err
+
+
+def test_each_corpus_name_has_a_builder_and_a_folder(tmp_path):
+    from osprey.ground import CORPUS_NAMES, corpus_dir
+
+    assert tuple(multilingual.CORPORA) == CORPUS_NAMES
+    assert multilingual.CORPORA["multilingual-chat"] is multilingual.prepare_multilingual_chat
+    assert corpus_dir("multilingual-chat", tmp_path) == tmp_path / "data" / "multilingual-chat"
+    with pytest.raises(ValueError, match="Unknown corpus 'chat'"):
+        corpus_dir("chat", tmp_path)

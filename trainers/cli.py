@@ -9,6 +9,8 @@ import argparse
 import importlib
 from pathlib import Path
 
+from osprey.ground import CORPUS_NAMES
+
 TRL_STAGES = {
     "pretrain": ("trainers.pretrain", "train a pruned backbone on general text (stage 2)"),
     "features": ("trainers.feature_cache", "precompute a target's features for distillation"),
@@ -25,12 +27,8 @@ def add_subcommand(subparsers) -> None:
         parser.add_argument("argv", nargs=argparse.REMAINDER)
         parser.set_defaults(run=lambda args, module=module: importlib.import_module(module).main(args.argv))
 
-    parser = subparsers.add_parser(
-        "data", help="build the offline training corpora (general, multilingual, multilingual-chat, sharegpt)"
-    )
-    parser.add_argument(
-        "corpus", choices=("general", "multilingual", "multilingual-chat", "sharegpt"), help="which corpus to build"
-    )
+    parser = subparsers.add_parser("data", help=f"build the offline training corpora ({', '.join(CORPUS_NAMES)})")
+    parser.add_argument("corpus", choices=CORPUS_NAMES, help="which corpus to build")
     parser.add_argument("--cache-dir", help="cache root (default: $OSPREY_HOME or ~/.cache/osprey)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the corpus is already built")
     parser.add_argument(

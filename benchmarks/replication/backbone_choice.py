@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import DynamicCache
 
-from osprey.ground import cache_root
+from osprey.ground import corpus_dir
 from osprey.prune import prune
 from osprey.zoo import load_causal_lm, load_tokenizer
 
@@ -96,7 +96,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     output = Path(args.output)
-    corpus = cache_root() / "data" / "multilingual"
+    corpus = corpus_dir("multilingual")
     if not (corpus / "calibration.txt").is_file():
         raise ValueError(f"No multilingual corpus in {corpus}: build it first with `osprey data multilingual`.")
     tokenizer = load_tokenizer(args.parent)

@@ -10,7 +10,7 @@ import collections
 
 import pyarrow.parquet as pq
 
-from osprey.ground import cache_root
+from osprey.ground import corpus_dir
 from osprey.pack import load_drafter
 from osprey.zoo import load_tokenizer
 
@@ -23,7 +23,7 @@ def main() -> None:
     args = parser.parse_args()
     vocabulary = set(load_drafter(args.drafter).draft_to_target.tolist())
     tokenizer = load_tokenizer(args.target)
-    directory = cache_root() / "data" / "multilingual-chat"  # `osprey data multilingual-chat`
+    directory = corpus_dir("multilingual-chat")  # `osprey data multilingual-chat`
     for split, step in (("test", 1), ("train", args.every)):
         counts = collections.defaultdict(lambda: [0, 0])
         for row in pq.read_table(directory / f"{split}.parquet").to_pylist()[::step]:

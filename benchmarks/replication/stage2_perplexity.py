@@ -23,13 +23,13 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from osprey.ground import cache_root
+from osprey.ground import corpus_dir
 from osprey.zoo import load_causal_lm, load_tokenizer
 
 
 def group_token_ids(tokenizer, tokens_per_group: int, max_length: int) -> dict[str, list[list[int]]]:
     """Each group's test chunks as token ids, in corpus order, until `tokens_per_group` tokens."""
-    corpus = cache_root() / "data" / "multilingual" / "test.parquet"
+    corpus = corpus_dir("multilingual") / "test.parquet"
     if not corpus.is_file():
         raise FileNotFoundError(f"{corpus} is missing: build it with `osprey data multilingual`.")
     chunks: dict[str, list[list[int]]] = defaultdict(list)
