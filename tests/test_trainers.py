@@ -1515,7 +1515,7 @@ def test_replay_and_learning_rate_scale_errors_name_the_fix(tmp_path):
     data = token_dataset(8, 12)
     with pytest.raises(ValueError, match="lm_replay_weight must be 0 \\(off\\) or positive"):
         distill_config(tmp_path, lm_replay_weight=-0.1, lm_replay_dataset="multilingual")
-    with pytest.raises(ValueError, match="--lm-replay-weight is 0.*probably a mistake"):
+    with pytest.raises(ValueError, match="corpus \\(multilingual\\).*lm_replay_weight is 0.*probably a mistake"):
         distill_config(tmp_path, lm_replay_dataset="multilingual")
     for scale in (0.0, 1.5):
         with pytest.raises(ValueError, match="pretrained_learning_rate_scale must be in \\(0, 1\\]"):

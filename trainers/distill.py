@@ -48,6 +48,16 @@ from .pretrain import resume_argument
 from .tokenization import tokenize_dataset
 
 
+def check_replay_weight(weight: float, corpus: str | None) -> None:
+    """Refuses a replay corpus (`corpus`, its name or how it was given) with `lm_replay_weight` 0, which turns the
+    replay term off: probably a mistake."""
+    if corpus is not None and weight == 0:
+        raise ValueError(
+            f"An LM replay corpus ({corpus}) was given but lm_replay_weight is 0, which turns the replay term off: "
+            "probably a mistake. Set --lm-replay-weight (e.g. 0.1), or pass no replay corpus (--lm-replay-dataset)."
+        )
+
+
 @dataclass
 class OspreyDistillConfig(TrainingArguments):
     r"""
@@ -166,11 +176,7 @@ class OspreyDistillConfig(TrainingArguments):
                 f"lm_replay_weight must be 0 (off) or positive, got {self.lm_replay_weight}: set --lm-replay-weight "
                 "to e.g. 0.1."
             )
-        if self.lm_replay_dataset is not None and self.lm_replay_weight == 0:
-            raise ValueError(
-                f"--lm-replay-dataset {self.lm_replay_dataset} is set but --lm-replay-weight is 0, which turns the "
-                "replay term off: probably a mistake. Set --lm-replay-weight (e.g. 0.1), or drop --lm-replay-dataset."
-            )
+        check_replay_weight(self.lm_replay_weight, self.lm_replay_dataset)
         if self.lm_replay_batch_size is None:
             self.lm_replay_batch_size = self.per_device_train_batch_size
         if self.lm_replay_batch_size < 1 or self.lm_replay_max_length < 2:
@@ -584,11 +590,7 @@ class OspreyDistillTrainer(Trainer):
                     "(e.g. multilingual, built by `osprey data multilingual`), or set --lm-replay-weight 0."
                 )
             return None
-        if args.lm_replay_weight == 0:
-            raise ValueError(
-                "An LM replay corpus was given but lm_replay_weight is 0, which turns the replay term off: probably a "
-                "mistake. Set --lm-replay-weight (e.g. 0.1), or pass no replay corpus."
-            )
+        check_replay_weight(args.lm_replay_weight, name)
         if not isinstance(dataset, Dataset):
             raise ValueError(
                 f"The LM replay corpus must be a `datasets.Dataset` (not streamed, replay draws by index), got "
