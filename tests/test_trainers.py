@@ -8,6 +8,7 @@ import subprocess
 import sys
 from functools import partial
 from itertools import pairwise
+from pathlib import Path
 
 import pytest
 import torch
@@ -1546,9 +1547,10 @@ def test_replay_and_learning_rate_scale_errors_name_the_fix(tmp_path):
     trainer(tiny_drafter(target, backbone_model_type="llama"), pretrained_learning_rate_scale=0.5)  # accepted
 
 
-def test_the_scratch_control_refuses_a_pretrained_learning_rate_scale(tmp_path):
-    """`osprey baseline scratch` keeps the converted config (its backbone_model_type too) but its blocks are
-    random: it is recognised by the report `osprey baseline` writes, and trained without the option."""
+def test_the_controls_are_distilled_without_a_pretrained_learning_rate_scale_by_their_driver(tmp_path):
+    """`osprey baseline scratch` keeps the converted config (its backbone_model_type too) but its blocks are random.
+    The library reads only the config, so it takes the option for the scratch control as for any converted drafter;
+    the experiment's driver (benchmarks/replication/languages_qwen.sh) refuses a control with the option (`-slow`)."""
     from osprey.baselines import build_baseline
 
     _, drafter, target, tokenizer = converted_drafter(tmp_path, draft_vocab_size=None)
@@ -1558,10 +1560,19 @@ def test_the_scratch_control_refuses_a_pretrained_learning_rate_scale(tmp_path):
     scratch = OspreyForDrafting.from_pretrained(tmp_path / "scratch")
     assert scratch.config.backbone_model_type == "llama"
     config = distill_config(tmp_path, pretrained_learning_rate_scale=0.5)
-    with pytest.raises(ValueError, match="scratch \\(body-random\\) control.*without --pretrained-learning-rate-scale"):
-        OspreyDistillTrainer(scratch, config, train_dataset=token_dataset(8, 12, vocab_size=102), target_model=target)
-    converted = OspreyForDrafting.from_pretrained(tmp_path / "osprey")
-    OspreyDistillTrainer(converted, config, train_dataset=token_dataset(8, 12, vocab_size=102), target_model=target)
+    OspreyDistillTrainer(scratch, config, train_dataset=token_dataset(8, 12, vocab_size=102), target_model=target)
+    script = Path(__file__).parents[1] / "benchmarks" / "replication" / "languages_qwen.sh"
+    for variant in ("scratch-mixed-slow", "eagle3-en-vocab-replay-slow"):
+        run = subprocess.run(
+            ["bash", str(script), "train", variant],
+            env={**os.environ, "RUNS": str(tmp_path / "runs")},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert run.returncode == 2
+        assert f"{variant}: the controls are distilled without --pretrained-learning-rate-scale" in run.stderr
+        assert f"run {variant.removesuffix('-slow')}," in run.stderr
 
 
 def test_cli_takes_the_replay_and_scale_flags_hyphenated():

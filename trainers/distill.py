@@ -6,7 +6,6 @@ next-token distribution by soft cross-entropy. Positions, tokens and attention m
 `modeling_osprey.generation_osprey` one to one, so what is trained is what decoding runs (see `ttt_loss`).
 """
 
-import json
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -105,8 +104,8 @@ class OspreyDistillConfig(TrainingArguments):
         pretrained_learning_rate_scale (`float`, *optional*, defaults to 1.0):
             In (0, 1]: the weights the pretrained backbone supplied train at `scale * learning_rate`, the weights
             `osprey convert` added (`model.fc`, `model.layers.0.hidden_norm` and the feature half, the first
-            `hidden_size` input columns, of block 0's q/k/v) at `learning_rate`. Refused for drafters without a
-            pretrained body: the EAGLE-3 control and the scratch control (see `OspreyDistillTrainer`).
+            `hidden_size` input columns, of block 0's q/k/v) at `learning_rate`. Refused for drafters whose config
+            records no pretrained body: EAGLE-3 drafters, and those no `osprey convert` made (`check_pretrained_body`).
     """
 
     target_model: str | None = field(
@@ -149,8 +148,8 @@ class OspreyDistillConfig(TrainingArguments):
         metadata={
             "help": "In (0, 1]: the weights the pretrained backbone supplied train at this times learning_rate; the "
             "weights `osprey convert` added (fc, the fusion block's hidden_norm and the feature half of its q/k/v) "
-            "at learning_rate. Refused for the controls of `osprey baseline` (scratch: random blocks; eagle3: no "
-            "backbone), which have no pretrained body to protect: train them without it."
+            "at learning_rate. Refused for a drafter whose config records no pretrained body (EAGLE-3, or not made by "
+            "`osprey convert`); only the config is read, so a body randomised since (`osprey baseline scratch`) is not."
         },
     )
     learning_rate: float = field(default=1e-4, metadata={"help": "The initial learning rate for AdamW."})
@@ -410,26 +409,16 @@ PRETRAINED_SCALE_KEY = "pretrained_learning_rate_scale"  # recorded in every par
 
 
 def check_pretrained_body(drafter) -> None:
-    """Refuses `pretrained_learning_rate_scale` for a drafter with no pretrained body: the EAGLE-3 control (no
-    backbone at all), the scratch control (`osprey baseline scratch`: random blocks, found by the
-    `baseline_report.json` that `osprey baseline` writes beside its weights) and any drafter whose config records no
-    backbone (`backbone_model_type`, set by `osprey convert`)."""
-    config, baseline = drafter.config, None
-    directory = getattr(drafter, "name_or_path", None)
-    if directory and (Path(directory) / "baseline_report.json").is_file():
-        baseline = json.loads((Path(directory) / "baseline_report.json").read_text()).get("baseline")
-    if config.residual_stream == "features" or baseline == "eagle3":
+    """Refuses `pretrained_learning_rate_scale` for a drafter whose config says it has no pretrained body: an
+    EAGLE-3 drafter (`residual_stream="features"`: one block over the target's features, no backbone) or one whose
+    config records no backbone (`backbone_model_type`, set by `osprey convert`). Only the config is read: whether a
+    converted drafter's pretrained weights are worth a lower rate is the caller's call."""
+    config = drafter.config
+    if config.residual_stream == "features":
         raise ValueError(
             "pretrained_learning_rate_scale lowers the learning rate of the weights a pretrained backbone supplied, "
             "and this EAGLE-3 drafter has none (random body and head, the target's embedding): distill it without "
             "--pretrained-learning-rate-scale."
-        )
-    if baseline == "scratch":
-        raise ValueError(
-            "pretrained_learning_rate_scale lowers the learning rate of the weights a pretrained backbone supplied, "
-            f"and {directory} is the scratch (body-random) control, whose blocks are random: training them slower "
-            "would only handicap the control. Distill it without --pretrained-learning-rate-scale (at learning_rate, "
-            "as the Osprey run's new weights train)."
         )
     if config.backbone_model_type is None:
         raise ValueError(

@@ -87,6 +87,13 @@ case $MODE in
   bench|curves) [ $# -eq 2 ] && [[ $2 =~ ^(en|mixed)(-vocab)?(-replay)?(-slow)?$ ]] || usage ;;
   *) usage ;;
 esac
+# The controls train every weight at the learning rate, as the Osprey run's new weights: the scratch control's blocks
+# are random and EAGLE-3 has no backbone, so a lower rate for them (-slow) would only handicap the control.
+if [[ ${2:-} =~ ^(scratch|eagle3)- && ${2:-} == *-slow ]]; then
+  echo "$2: the controls are distilled without --pretrained-learning-rate-scale (their bodies are random or absent," \
+    "so a lower rate would only handicap them): run ${2%-slow}, the control of ${2#*-}" >&2
+  exit 2
+fi
 
 data() {  # data-en and data-mixed (train.jsonl, test.jsonl), rebuilt the same way from the committed answers
   [ -f "$OUT/data-mixed/train.jsonl" ] && [ -f "$OUT/data-en/train.jsonl" ] && return
