@@ -6,18 +6,20 @@ from dataclasses import field
 
 from transformers import PreTrainedConfig
 
+from .generation_osprey import DRAFTING_SETTINGS
+
 AUTO_MAP = {
     "AutoConfig": "configuration_osprey.OspreyConfig",
     "AutoModel": "modeling_osprey.OspreyModel",
     "AutoModelForCausalLM": "modeling_osprey.OspreyForDrafting",
 }
-# How a drafter drafts unless its generation config says otherwise: the Osprey paper's full chains of 5 tokens per
-# verification step (transformers' default for assistants, 20 growing tokens stopped at 0.4 confidence, wastes drafter
-# steps). A threshold above 0 ends a chain at the first draft the drafter gave less than that probability.
+# How a drafter drafts unless its generation config says otherwise (`DRAFTING_SETTINGS`' chains, in a generation
+# config's names): full chains of a constant length per verification step (transformers' default for assistants, 20
+# growing tokens stopped at 0.4 confidence, wastes drafter steps).
 DRAFTING_DEFAULTS = {
-    "num_assistant_tokens": 5,
+    "num_assistant_tokens": DRAFTING_SETTINGS["num_draft_tokens"],
     "num_assistant_tokens_schedule": "constant",
-    "assistant_confidence_threshold": 0.0,
+    "assistant_confidence_threshold": DRAFTING_SETTINGS["confidence_threshold"],
 }
 
 

@@ -30,6 +30,7 @@ from transformers.generation import (
 )
 
 from .generation_osprey import (
+    DRAFTING_SETTINGS,
     DraftState,
     DraftTree,
     add_branch,
@@ -108,11 +109,11 @@ def decode(
     drafter,
     input_ids: torch.LongTensor,
     max_new_tokens: int = 128,
-    num_draft_tokens: int = 5,
-    draft_topk: int = 1,
-    tree_size: int | None = None,
-    confidence_threshold: float = 0.0,
-    prompt_lookup_num_tokens: int = 0,
+    num_draft_tokens: int = DRAFTING_SETTINGS["num_draft_tokens"],
+    draft_topk: int = DRAFTING_SETTINGS["draft_topk"],
+    tree_size: int | None = DRAFTING_SETTINGS["tree_size"],
+    confidence_threshold: float = DRAFTING_SETTINGS["confidence_threshold"],
+    prompt_lookup_num_tokens: int = DRAFTING_SETTINGS["prompt_lookup_num_tokens"],
     logits_processor: LogitsProcessorList | None = None,
     do_sample: bool = False,
     eos_token_id: int | list[int] | None = None,
@@ -400,14 +401,13 @@ def _truncate_after_eos(tokens: torch.LongTensor, eos_ids: torch.Tensor | None) 
 
 # --- `target.generate(..., custom_generate=DRAFTER_DIR, trust_remote_code=True)` ----------------------------------
 
+# `generate`'s own arguments: the drafter, a streamer, a generator, and the drafting settings but the early stop, which
+# the drafter's generation config holds (`assistant_confidence_threshold`, as in transformers' assisted generation).
 OWN_ARGUMENTS = (
     "assistant_model",
     "streamer",
-    "draft_topk",
-    "tree_size",
-    "num_draft_tokens",
-    "prompt_lookup_num_tokens",
     "generator",
+    *(name for name in DRAFTING_SETTINGS if name != "confidence_threshold"),
 )
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -451,10 +451,11 @@ def generate(model, *args, **kwargs):
             raise ValueError("Osprey's custom_generate decodes unpadded prompts: pass no padding in attention_mask.")
         drafting = drafter.generation_config
         num_draft_tokens = own["num_draft_tokens"] or drafting.num_assistant_tokens
-        draft_topk = own["draft_topk"] or getattr(drafting, "draft_topk", None) or 1
-        tree_size = own["tree_size"] or getattr(drafting, "tree_size", None)
-        lookup = own["prompt_lookup_num_tokens"] or 0
-        threshold = (drafting.assistant_confidence_threshold or 0.0) if draft_topk == 1 and not lookup else 0.0
+        draft_topk = own["draft_topk"] or getattr(drafting, "draft_topk", None) or DRAFTING_SETTINGS["draft_topk"]
+        tree_size = own["tree_size"] or getattr(drafting, "tree_size", None) or DRAFTING_SETTINGS["tree_size"]
+        lookup = own["prompt_lookup_num_tokens"] or DRAFTING_SETTINGS["prompt_lookup_num_tokens"]
+        threshold = drafting.assistant_confidence_threshold or DRAFTING_SETTINGS["confidence_threshold"]
+        threshold = threshold if draft_topk == 1 and not lookup else 0.0  # trees are pruned by size, not stopped
 
         def stream(step, sequence):
             if streamer is None:

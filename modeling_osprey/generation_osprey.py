@@ -19,6 +19,20 @@ from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig,
 
 from .target_features import TargetFeatureCapture
 
+# The drafting settings and their defaults, read by every way of decoding (`decoding_osprey.decode` and its
+# `custom_generate` entry, `osprey decode`, `bench` and `demo`, the Space): how a drafter drafts unless told otherwise.
+# Chains of 5 tokens per verification step (the Osprey paper's), no early stop (a threshold above 0 ends a chain at
+# the first draft the drafter gave less than that probability); `draft_topk` > 1 drafts trees of `tree_size` nodes
+# (None: `decoding_osprey.default_tree_size`); `prompt_lookup_num_tokens` > 0 adds a prompt-lookup branch to every
+# draft. `configuration_osprey.DRAFTING_DEFAULTS` says the chain's in a generation config's names.
+DRAFTING_SETTINGS = {
+    "num_draft_tokens": 5,
+    "confidence_threshold": 0.0,
+    "draft_topk": 1,
+    "tree_size": None,
+    "prompt_lookup_num_tokens": 0,
+}
+
 
 @dataclass
 class DraftState:

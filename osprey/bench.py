@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
 from modeling_osprey.decoding_osprey import default_tree_size
+from modeling_osprey.generation_osprey import DRAFTING_SETTINGS
 
 from .bench_report import (
     ALLOW_UNCHECKED_FLAG,
@@ -55,11 +55,13 @@ class BenchSettings:
     """How every method decodes; a resumed run must use the same."""
 
     max_new_tokens: int = 128
-    num_draft_tokens: int = DRAFTING_DEFAULTS["num_assistant_tokens"]
-    confidence_threshold: float = DRAFTING_DEFAULTS["assistant_confidence_threshold"]
-    draft_topk: int = 1  # tree methods' shape (chain methods draft chains whatever these say)
-    tree_size: int | None = None
-    prompt_lookup_num_tokens: int = 0  # the `-lookup` methods' prompt-lookup branch (chain methods have none)
+    num_draft_tokens: int = DRAFTING_SETTINGS["num_draft_tokens"]
+    confidence_threshold: float = DRAFTING_SETTINGS["confidence_threshold"]
+    # tree methods' shape (chain methods draft chains whatever these say)
+    draft_topk: int = DRAFTING_SETTINGS["draft_topk"]
+    tree_size: int | None = DRAFTING_SETTINGS["tree_size"]
+    # the `-lookup` methods' prompt-lookup branch (chain methods have none)
+    prompt_lookup_num_tokens: int = DRAFTING_SETTINGS["prompt_lookup_num_tokens"]
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int | None = None
@@ -70,9 +72,9 @@ class BenchSettings:
 
 
 ROUTES = ("standalone", "hf", "custom")
-# The settings a method may have its own values of (`BenchMethod.overrides`, `osprey bench --method-settings`); for a
-# PLD baseline `prompt_lookup_num_tokens` is its lookup length (`pld:N`).
-METHOD_SETTINGS = ("num_draft_tokens", "confidence_threshold", "draft_topk", "tree_size", "prompt_lookup_num_tokens")
+# The settings a method may have its own values of (`BenchMethod.overrides`, `osprey bench --method-settings`): the
+# drafting settings; for a PLD baseline `prompt_lookup_num_tokens` is its lookup length (`pld:N`).
+METHOD_SETTINGS = tuple(DRAFTING_SETTINGS)
 
 
 @dataclass

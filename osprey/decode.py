@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
 from modeling_osprey.decoding_osprey import CPU_DRAFT_TOPK, CPU_TREE_SIZE, DecodingStep, decode
+from modeling_osprey.generation_osprey import DRAFTING_SETTINGS
 
 from .pack import DRAFTER_QUANTIZATIONS
 
@@ -98,11 +98,11 @@ def speculative_generate(
     drafter,
     input_ids: torch.LongTensor,
     max_new_tokens: int = 128,
-    num_draft_tokens: int = DRAFTING_DEFAULTS["num_assistant_tokens"],
-    draft_topk: int = 1,
-    tree_size: int | None = None,
-    confidence_threshold: float = DRAFTING_DEFAULTS["assistant_confidence_threshold"],
-    prompt_lookup_num_tokens: int = 0,
+    num_draft_tokens: int = DRAFTING_SETTINGS["num_draft_tokens"],
+    draft_topk: int = DRAFTING_SETTINGS["draft_topk"],
+    tree_size: int | None = DRAFTING_SETTINGS["tree_size"],
+    confidence_threshold: float = DRAFTING_SETTINGS["confidence_threshold"],
+    prompt_lookup_num_tokens: int = DRAFTING_SETTINGS["prompt_lookup_num_tokens"],
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int | None = None,
@@ -232,32 +232,33 @@ def add_decoding_arguments(parser) -> None:
     parser.add_argument(
         "--num-draft-tokens",
         type=int,
-        default=DRAFTING_DEFAULTS["num_assistant_tokens"],
+        default=DRAFTING_SETTINGS["num_draft_tokens"],
         help="chain length (or tree depth) per verification step",
     )
     parser.add_argument(
         "--draft-topk",
         type=int,
-        default=1,
+        default=DRAFTING_SETTINGS["draft_topk"],
         help="draft trees: expand the K most probable nodes of each level into their K most probable children "
         "(1: chains)",
     )
     parser.add_argument(
         "--tree-size",
         type=int,
+        default=DRAFTING_SETTINGS["tree_size"],
         help=f"draft tree nodes verified per step (default: {CPU_TREE_SIZE} on a CPU, measured with --draft-topk "
         f"{CPU_DRAFT_TOPK}; num-draft-tokens x draft-topk on accelerators)",
     )
     parser.add_argument(
         "--confidence-threshold",
         type=float,
-        default=DRAFTING_DEFAULTS["assistant_confidence_threshold"],
+        default=DRAFTING_SETTINGS["confidence_threshold"],
         help="stop a chain after a draft the drafter gives a probability below this (0: full chains, the paper's)",
     )
     parser.add_argument(
         "--prompt-lookup-num-tokens",
         type=int,
-        default=0,
+        default=DRAFTING_SETTINGS["prompt_lookup_num_tokens"],
         help="add a prompt-lookup branch of up to this many tokens to every draft (the continuation of the last "
         "2-gram's latest earlier occurrence; no drafter cost), verified with the draft as one tree (0: none)",
     )

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from modeling_osprey.generation_osprey import DRAFTING_SETTINGS
+
 from .bench import BenchMethod, BenchSettings, run_benchmark
 from .bench_report import add_allow_unchecked_argument, exit_status, markdown_table, save_report
 from .bench_suites import BenchPrompt
@@ -81,14 +83,8 @@ def demo_choice(drafter_dir) -> DemoChoice:
     return DemoChoice(Path(drafter_dir), settings=dict(confidence_threshold=DEMO_CONFIDENCE_THRESHOLD))
 
 
-SETTING_FLAGS = (
-    "num_draft_tokens",
-    "draft_topk",
-    "tree_size",
-    "prompt_lookup_num_tokens",
-    "confidence_threshold",
-    "drafter_quantization",
-)
+# The settings `osprey demo` takes as flags: the drafting settings, and how the drafter runs.
+SETTING_FLAGS = (*DRAFTING_SETTINGS, "drafter_quantization")
 
 # Written for this demo: short, one per category, several languages.
 DEMO_PROMPTS = [
@@ -147,7 +143,8 @@ def run_demo(
     _announce_fetches(None, target_name)
     target, tokenizer = load_causal_lm(target_name, dtype=dtype).eval(), load_tokenizer(target_name)
     drafter.config.check_target(target, name_or_path=target_name)
-    drafts_trees = chosen.get("draft_topk", 1) > 1 or chosen.get("prompt_lookup_num_tokens", 0) > 0
+    shape = DRAFTING_SETTINGS | chosen
+    drafts_trees = shape["draft_topk"] > 1 or shape["prompt_lookup_num_tokens"] > 0
     if drafts_trees and overrides.get("confidence_threshold") is None:
         chosen["confidence_threshold"] = 0.0  # early stop is for chains; a tree is pruned by its size
     settings = BenchSettings(max_new_tokens=max_new_tokens, **chosen)

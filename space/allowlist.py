@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from modeling_osprey.generation_osprey import DRAFTING_SETTINGS
 from osprey import OspreyConfig
 from osprey.demo import DEMOS
 from osprey.pack import load_drafter
@@ -27,14 +28,9 @@ logger = logging.getLogger(__name__)
 TargetLoader = Callable[[], tuple[PreTrainedModel, PreTrainedTokenizerBase]]
 DrafterLoader = Callable[[], PreTrainedModel]
 DTYPES = ("float32", "bfloat16")
-# The page's controls, for a drafter without measured settings (every drafter but those `osprey demo` ships).
-PAGE_SETTINGS = {
-    "num_draft_tokens": 5,
-    "draft_topk": 1,
-    "tree_size": 10,
-    "prompt_lookup_num_tokens": 0,
-    "confidence_threshold": 0.0,
-}
+# The page's drafting controls, for a drafter without measured settings (every drafter but those `osprey demo`
+# ships): the drafting defaults, the tree-size slider at 10 nodes (it has no "default size" position).
+PAGE_SETTINGS = DRAFTING_SETTINGS | {"tree_size": 10}
 
 
 @dataclass

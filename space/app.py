@@ -175,12 +175,10 @@ def build_demo(space: OspreySpace) -> gr.Blocks:
         benchmark_note = gr.Markdown()
 
         target.change(space.drafter_choices, target, drafter, api_name=False)
+        # The drafting controls by setting name (each control's elem_id).
         drafting = {
-            "num_draft_tokens": num_draft_tokens,
-            "draft_topk": draft_topk,
-            "tree_size": tree_size,
-            "prompt_lookup_num_tokens": prompt_lookup,
-            "confidence_threshold": confidence_threshold,
+            control.elem_id: control
+            for control in (num_draft_tokens, draft_topk, tree_size, prompt_lookup, confidence_threshold)
         }
         # Picking a drafter sets the shape it decodes best with (its measured settings, else the page's defaults).
         drafter.change(

@@ -19,6 +19,7 @@ import torch
 from allowlist import PAGE_SETTINGS, ModelCatalog
 from transformers.generation.streamers import BaseStreamer
 
+from modeling_osprey.generation_osprey import DRAFTING_SETTINGS
 from osprey.bench_report import UNCHECKED, fails
 from osprey.decode import SpeculativeStats, encode_prompt, speculative_generate, target_generate
 from osprey.near_tie import UNEXPLAINED, explain, first_divergence, upcast
@@ -167,11 +168,11 @@ class OspreySpace:
         num_draft_tokens,
         temperature,
         max_new_tokens,
-        confidence_threshold=0.0,
-        draft_topk=1,
-        tree_size=None,
+        confidence_threshold=DRAFTING_SETTINGS["confidence_threshold"],
+        draft_topk=DRAFTING_SETTINGS["draft_topk"],
+        tree_size=DRAFTING_SETTINGS["tree_size"],
         route="standalone",
-        prompt_lookup_num_tokens=0,
+        prompt_lookup_num_tokens=DRAFTING_SETTINGS["prompt_lookup_num_tokens"],
     ):
         """Streams the outputs in `OUTPUT_NAMES` order: Osprey's run step by step (with the last verified draft tree
         when drafting trees: `draft_topk` > 1 or a prompt-lookup branch of up to `prompt_lookup_num_tokens`), then the
@@ -317,10 +318,10 @@ class _Request:
     temperature: float
     max_new_tokens: int
     lock: threading.Lock
-    draft_topk: int = 1
-    tree_size: int | None = None
+    draft_topk: int = DRAFTING_SETTINGS["draft_topk"]
+    tree_size: int | None = DRAFTING_SETTINGS["tree_size"]
     route: str = "standalone"
-    prompt_lookup_num_tokens: int = 0
+    prompt_lookup_num_tokens: int = DRAFTING_SETTINGS["prompt_lookup_num_tokens"]
 
     @property
     def sampling(self) -> dict:
@@ -329,13 +330,7 @@ class _Request:
     @property
     def drafting(self) -> dict:
         """The drafting shape, as `speculative_generate` takes it."""
-        return {
-            "num_draft_tokens": self.num_draft_tokens,
-            "confidence_threshold": self.confidence_threshold,
-            "draft_topk": self.draft_topk,
-            "tree_size": self.tree_size,
-            "prompt_lookup_num_tokens": self.prompt_lookup_num_tokens,
-        }
+        return {name: getattr(self, name) for name in DRAFTING_SETTINGS}
 
 
 def _warm_up(request: _Request) -> None:
