@@ -14,7 +14,8 @@ Forward hooks also time the target's prefill and verification calls and the draf
 Greedy outputs that differ from the target alone's are labelled after the run (`label_divergences`): "near tie" when
 the target's float32 margin at the first differing token is within what rounding in the run's dtype can move it,
 "UNEXPLAINED" otherwise, which makes `osprey bench` exit with status 1; so does a difference left "not checked"
-(the target did not fit in float32, or the token ids could not be had) unless `--allow-unchecked` is passed.
+(the target did not fit in float32) unless `--allow-unchecked` is passed. A difference to label in results saved
+before the bench kept token ids is refused: `benchmarks/numerics/label_differences.py` labels those.
 
 Results are saved after every request; re-running with the same `--output` skips the requests already there.
 """
@@ -48,6 +49,8 @@ from .near_tie import explain, first_divergence, upcast
 from .pack import custom_generate_folder, load_drafter
 
 RESULTS_FORMAT = 1
+# Labels the differences of saved results, those saved before the bench kept token ids included (a repository script).
+LABEL_SCRIPT = "benchmarks/numerics/label_differences.py"
 
 
 @dataclass(frozen=True)
@@ -388,13 +391,12 @@ def label_divergences(target, tokenizer, results: dict, prompts: list[BenchPromp
     """Gives every greedy request whose output differs from the target alone's on the same prompt its `divergence`
     (`osprey.near_tie`: the first differing new token, the float32 margin there and the rounding bound, "near tie" or
     "UNEXPLAINED"), and equal ones `divergence: None`. One float32 pass over the target for all of them. Requests
-    already labelled are skipped, and so are those whose prompt is not in `prompts` or whose token ids cannot be
-    had (`output_token_ids`)."""
+    already labelled are skipped, and so are those whose prompt is not in `prompts`. A differing request, or its
+    target-alone reference, saved without token ids (`output_ids`: results saved before the bench kept them) is
+    refused (`check_output_ids`)."""
     baseline = next((name for name, spec in results["methods"].items() if spec == "target"), None)
     if baseline is None or results["settings"]["do_sample"]:
         return
-    eos = target.generation_config.eos_token_id
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     references = {_request_key(row)[1:]: row for row in results["requests"] if row["method"] == baseline}
     texts = {(prompt.suite, prompt.category, prompt.prompt_id): prompt.text for prompt in prompts}
     differing = []
@@ -405,19 +407,16 @@ def label_divergences(target, tokenizer, results: dict, prompts: list[BenchPromp
         if row["output_sha256"] == references[key]["output_sha256"]:
             row["divergence"] = None
             continue
-        reference = output_token_ids(references[key], tokenizer, eos_ids)
-        output = output_token_ids(row, tokenizer, eos_ids, guide=reference)
-        if reference is None and output is not None:  # the shared part is tokenized as the output has it
-            reference = output_token_ids(references[key], tokenizer, eos_ids, guide=output)
-        if None not in (output, reference):
-            differing.append((row, key, output, reference))
+        differing.append((row, key))
     if not differing:
         return
+    check_output_ids([row for pair in differing for row in (pair[0], references[pair[1]])], "These results")
     dtype = next(target.parameters()).dtype
     explained = {}  # methods often leave the target's output at the same token: one forward for all of them
     try:
         with upcast(target):
-            for row, key, output, reference in differing:
+            for row, key in differing:
+                output, reference = row["output_ids"], references[key]["output_ids"]
                 position = first_divergence(reference, output)
                 same = (key, position, tuple(reference[: position + 1]), tuple(output[: position + 1]))
                 if same not in explained:
@@ -428,38 +427,21 @@ def label_divergences(target, tokenizer, results: dict, prompts: list[BenchPromp
         warnings.warn(
             f"Not enough device memory to run the target in float32, so differing outputs are left unlabelled "
             f"('{UNCHECKED}', which fails the run unless {ALLOW_UNCHECKED_FLAG}): label them on a larger device with "
-            "benchmarks/numerics/label_differences.py.",
+            f"{LABEL_SCRIPT}.",
             stacklevel=2,
         )
 
 
-def output_token_ids(row: dict, tokenizer, eos_ids: list[int], guide: list[int] | None = None) -> list[int] | None:
-    """A request's new token ids: saved (`output_ids`), or, for results saved before they were, its completion
-    tokenized again when that matches its saved `output_sha256`. Tried: the whole completion, and the tokens of
-    `guide` (another output of the same prompt) as far as their text begins the completion followed by the rest
-    tokenized, each also with an eos appended (decoding may have ended on one), and for a completion cut inside a
-    character, each token of the vocabulary as its last. None if nothing matches."""
-    if "output_ids" in row:
-        return row["output_ids"]
-    text = row["completion"]
-    heads = [[]]
-    if guide:
-        decoded = [tokenizer.decode(guide[:k], skip_special_tokens=True) for k in range(len(guide) + 1)]
-        heads.append(guide[: max(k for k, prefix in enumerate(decoded) if text.startswith(prefix))])
-    for head in heads:
-        rest = text[len(tokenizer.decode(head, skip_special_tokens=True)) :]
-        ids = head + tokenizer(rest, add_special_tokens=False)["input_ids"]
-        for candidate in [ids] + [ids + [eos] for eos in eos_ids]:
-            if output_sha256(candidate) == row["output_sha256"]:
-                return candidate
-    if text.endswith("\ufffd"):  # cut inside a character: its last token's bytes do not decode, so try every token
-        for head in heads:
-            rest = text[len(tokenizer.decode(head, skip_special_tokens=True)) :].rstrip("\ufffd")
-            ids = head + tokenizer(rest, add_special_tokens=False)["input_ids"]
-            for last in range(len(tokenizer)):
-                if output_sha256(ids + [last]) == row["output_sha256"]:
-                    return ids + [last]
-    return None
+def check_output_ids(rows: list[dict], source: str) -> None:
+    """Refuses requests saved without their token ids (`output_ids`, which results saved before the bench kept them
+    lack): their differences cannot be checked here; the script that labels saved results rebuilds them."""
+    old = len({id(row) for row in rows if "output_ids" not in row})
+    if old:
+        raise ValueError(
+            f"{source} hold {old} differing request(s) or their target-alone reference(s) saved without token ids "
+            f"(`output_ids`), as results were saved before the bench kept them. Label their differences with "
+            f"`python {LABEL_SCRIPT} RESULTS.json`, which rebuilds the ids from each completion and its saved hash."
+        )
 
 
 def output_sha256(ids: list[int]) -> str:

@@ -2,7 +2,10 @@
 differing token, "near tie" within the rounding bound and "UNEXPLAINED" beyond it; a bench run in bf16 labels its
 differences and a deliberately wrong verification (accepting a non-argmax token) is flagged, not excused."""
 
+import copy
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +17,14 @@ from test_trainers import char_tokenizer
 import modeling_osprey.decoding_osprey as decoding_osprey
 import osprey.bench
 import osprey.demo
-from osprey.bench import BenchMethod, BenchSettings, output_sha256, output_token_ids, run_benchmark
+from osprey.bench import BenchMethod, BenchSettings, label_divergences, output_sha256, run_benchmark
 from osprey.bench_report import DIFFERENCES_NOTE, UNCHECKED, exit_status, fails, markdown_table
 from osprey.cli import main
 from osprey.near_tie import NEAR_TIE, UNEXPLAINED, Divergence, explain, first_divergence, rounding_bound, upcast
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks" / "numerics"))  # old_results.py, beside its script
+import old_results  # noqa: E402
+from old_results import output_token_ids  # noqa: E402
 
 
 def test_first_divergence_finds_the_first_differing_token_or_a_length_difference():
@@ -186,7 +193,7 @@ def test_a_bf16_bench_labels_every_difference_and_flags_a_wrong_verification(mon
 
 def test_token_ids_of_older_results_are_rebuilt_only_when_their_hash_agrees():
     """Results saved before `output_ids` keep a completion and its ids' hash: ids are rebuilt from the text (with an
-    eos the text does not show) and accepted only if they hash the same."""
+    eos the text does not show) and accepted only if they hash the same (benchmarks/numerics/old_results.py)."""
     tokenizer = char_tokenizer()
     eos = tokenizer.convert_tokens_to_ids("</s>")
     ids = tokenizer("abc abc", add_special_tokens=False)["input_ids"]
@@ -194,6 +201,42 @@ def test_token_ids_of_older_results_are_rebuilt_only_when_their_hash_agrees():
     assert output_token_ids(row, tokenizer, [eos]) == ids + [eos]
     assert output_token_ids(row | {"output_ids": [1, 2]}, tokenizer, [eos]) == [1, 2]  # saved ids are taken as they are
     assert output_token_ids(row | {"output_sha256": output_sha256([7, 7, 7])}, tokenizer, [eos]) is None
+
+
+def test_differences_in_older_results_are_refused_by_the_bench_and_labelled_by_their_script(monkeypatch, tmp_path):
+    """Differences between requests saved without `output_ids` are not labelled by `osprey bench`, which names the
+    script that labels them; that script labels copies with the ids it rebuilds, so each request gets the label the
+    run gave it, one whose ids cannot be rebuilt stays unlabelled, and the saved requests keep their fields."""
+    take_the_second_best(monkeypatch)  # every output differs
+    labelled = _bf16_bench()
+    old = copy.deepcopy(labelled)
+    for row in old["requests"]:
+        del row["output_ids"]
+        row.pop("divergence", None)
+    target, _ = near_copy_pair("llama")
+    target = target.to(torch.bfloat16)
+    refused = f"hold {len(old['requests'])} differing .*without token ids.*benchmarks/numerics/label_differences.py"
+    with pytest.raises(ValueError, match=refused):
+        label_divergences(target, char_tokenizer(), copy.deepcopy(old), PROMPTS)
+    resumed = copy.deepcopy(labelled)  # a run saved before, all labelled, resumes: nothing needs its ids
+    for row in resumed["requests"]:
+        del row["output_ids"]
+    (tmp_path / "resumed.json").write_text(json.dumps(resumed))
+    methods, settings = [BenchMethod("target", "target")], BenchSettings(max_new_tokens=16)
+    run_benchmark(target, char_tokenizer(), methods, PROMPTS, settings, tmp_path / "resumed.json", warmup=False)
+
+    saved_ids = {id(row): new["output_ids"] for row, new in zip(old["requests"], labelled["requests"], strict=True)}
+    lost = next(row for row in old["requests"] if row["method"] == "osprey")  # its completion does not give its ids
+    monkeypatch.setattr(
+        old_results, "output_token_ids", lambda row, *args, **kwargs: None if row is lost else saved_ids[id(row)]
+    )
+    old_results.label_divergences_rebuilding_ids(target, char_tokenizer(), old, PROMPTS, [])
+    for row, new in zip(old["requests"], labelled["requests"], strict=True):
+        assert "output_ids" not in row
+        if row is lost:
+            assert "divergence" not in row
+        elif row["method"] == "osprey":
+            assert row["divergence"] == new["divergence"] and row["divergence"]["label"] in (NEAR_TIE, UNEXPLAINED)
 
 
 def out_of_memory(model, dtype=torch.float32):

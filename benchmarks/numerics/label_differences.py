@@ -3,9 +3,10 @@ target alone's gets its `divergence` (`osprey.near_tie`: first differing token, 
 tie" or "UNEXPLAINED"), as a run labels its own since the bench saves token ids; the JSON and its `.md` table are
 rewritten.
 
-Results saved before token ids were kept have their ids rebuilt from each completion, checked against its saved
-`output_sha256` (`osprey.bench.output_token_ids`); where the target alone's cannot be rebuilt (a completion that
-ends inside a multi-byte character), the target decodes that prompt again and its output must hash the same.
+Results saved before token ids were kept (whose differences `osprey bench` refuses to label) have their ids rebuilt
+from each completion, checked against its saved `output_sha256` (`old_results.py`, beside this script); where the
+target alone's cannot be rebuilt (a completion that ends inside a multi-byte character), the target decodes that
+prompt again and its output must hash the same.
 
     python benchmarks/numerics/label_differences.py benchmarks/results/replication-qwen2.5-coder-1.5b-instruct.json
 
@@ -23,8 +24,9 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from old_results import label_divergences_rebuilding_ids, output_token_ids
 
-from osprey.bench import label_divergences, output_sha256, output_token_ids, summarize
+from osprey.bench import output_sha256, summarize
 from osprey.bench_report import (
     add_allow_unchecked_argument,
     difference_label,
@@ -109,7 +111,7 @@ def main() -> int:
                 row.pop("divergence", None)
         prompts = prompts_for(results, args.prompts, args.data_dir)
         unreproduced = redecode_references(target, tokenizer, results, prompts, eos_ids)
-        label_divergences(target, tokenizer, results, prompts)
+        label_divergences_rebuilding_ids(target, tokenizer, results, prompts, eos_ids)
         results["records"] = summarize(results)
         path.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
         if path.with_suffix(".md").exists():  # the table, rewritten from the JSON (the plots are left as they are)
