@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 
 from modeling_osprey.target_features import TargetFeatureCapture
 from osprey import OspreyConfig, OspreyForDrafting
+from osprey.decode import speculative_generate
 from osprey.export import VLLM, export_drafter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,13 +127,19 @@ def random_drafter(block: str, seed: int = 0, **overrides) -> OspreyForDrafting:
     return drafter.eval()
 
 
-def copying_drafter(target, residual_stream: str = "tokens") -> OspreyForDrafting:
+def copying_drafter(
+    target, residual_stream: str = "tokens", block: str = "qwen2", noise: float = 0.0
+) -> OspreyForDrafting:
     """A drafter that predicts what a `zero_block_outputs` target predicts: its blocks add nothing either, and it
     shares the target's embedding, final norm and LM head, so with the token residual its output at position t is the
-    target's at t + 1. With the feature residual (EAGLE-3's) the same weights draft from fc(taps) instead: garbage."""
+    target's at t + 1. With the feature residual (EAGLE-3's) the same weights draft from fc(taps) instead: garbage.
+
+    With `noise` > 0 the blocks' random output projections (`o_proj`, `down_proj`) are kept, scaled by `noise`,
+    instead of zeroed: a random drafter that mostly, not always, copies, whose drafts depend on everything its blocks
+    read (the taps, its KV cache, positions, and on later draft steps the state it feeds back)."""
     config = target.config
     drafter = random_drafter(
-        "qwen2",
+        block,
         seed=1,
         draft_vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -148,8 +156,8 @@ def copying_drafter(target, residual_stream: str = "tokens") -> OspreyForDraftin
         drafter.model.norm.weight.copy_(target.model.norm.weight)
         drafter.draft_to_target.copy_(torch.arange(config.vocab_size))
         for layer in drafter.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+            layer.self_attn.o_proj.weight.mul_(noise)
+            layer.mlp.down_proj.weight.mul_(noise)
     return drafter
 
 
@@ -228,6 +236,133 @@ def test_a_drafter_that_agrees_with_the_target_is_accepted(vllm_python, workdir)
     # wired as EAGLE-3, drafts from the features and is rejected: the measure tells a wrong residual apart.
     assert lengths["tokens"] > 1.5, lengths
     assert lengths["features"] < 1.5, lengths
+
+
+# The controls of tests/vllm_engine.py (its CONTROLS): vLLM's drafter broken on purpose on its later draft steps.
+CONTROLS = ("zero_fed_back_state", "shift_draft_positions")
+# The per-position test: the drafter's block output projections scaled so that each draft position is accepted often,
+# not always (measured in the reference loop: at 0.002 nearly all drafts are accepted, at 0.01 almost none past the
+# first), and enough drafts that every position counts dozens.
+PER_POSITION_NOISE = 0.003
+PER_POSITION_PROMPTS = PROMPTS + [[1, 2, 3, 4], [250, 40, 41, 13, 77], [60, 61, 62, 63, 64, 65, 66, 67]]
+PER_POSITION_MAX_TOKENS = 32
+
+
+@contextmanager
+def broken_later_draft_steps(drafter: OspreyForDrafting, control: str | None):
+    """`drafter`, in Osprey's own loop, broken as tests/vllm_engine.py's `control` breaks vLLM's: on its later draft
+    steps (those fed its own `draft_hidden_states`) the fed-back state is zeroed, or the position is one too far."""
+    forward = drafter.forward
+
+    def controlled_forward(input_ids, *args, draft_hidden_states=None, cache=None, **kwargs):
+        if draft_hidden_states is not None and control == "zero_fed_back_state":
+            draft_hidden_states = torch.zeros_like(draft_hidden_states)
+        elif draft_hidden_states is not None and control == "shift_draft_positions":
+            start = cache.get_seq_length() + 1
+            kwargs["position_ids"] = torch.arange(start, start + input_ids.shape[1])[None]
+        return forward(input_ids, *args, draft_hidden_states=draft_hidden_states, cache=cache, **kwargs)
+
+    if control is not None:
+        drafter.forward = controlled_forward
+    try:
+        yield drafter
+    finally:
+        if control is not None:
+            del drafter.forward  # the class's forward again
+
+
+@torch.no_grad()
+def osprey_counters(target, drafter, prompts, max_tokens=MAX_TOKENS, k=NUM_SPECULATIVE_TOKENS) -> dict:
+    """The outputs, and the counters vLLM's spec-decode metrics would hold, of greedy decoding of each prompt in
+    Osprey's own loop (`speculative_generate`, chains of `k`, no early stop).
+
+    vLLM drafts `k` tokens at every step until `max_tokens` are out, and counts a last step's accepted drafts even
+    where the output is cut after them; Osprey's loop drafts fewer where fewer fit. So the loop here runs `k` tokens
+    further, and only the steps that start before `max_tokens` are out are counted: each of those drafted `k`."""
+    outputs, per_position, num_drafts = [], [0] * k, 0
+    for prompt in prompts:
+        sequence, stats = speculative_generate(
+            target,
+            drafter,
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens + k,
+            num_draft_tokens=k,
+            confidence_threshold=0.0,
+        )
+        outputs.append(sequence[0, len(prompt) : len(prompt) + max_tokens].tolist())
+        new_tokens = 1  # the prefill's
+        for accepted, drafted in zip(stats.accepted_per_step, stats.drafted_per_step):
+            if new_tokens >= max_tokens:
+                break
+            assert drafted == k
+            num_drafts += 1
+            for position in range(accepted):
+                per_position[position] += 1
+            new_tokens += accepted + 1
+    return {
+        "outputs": outputs,
+        "num_drafts": num_drafts,
+        "num_draft_tokens": k * num_drafts,
+        "num_accepted_tokens": sum(per_position),
+        "num_accepted_tokens_per_pos": per_position,
+    }
+
+
+def vllm_counters(run: dict) -> dict:
+    return {"outputs": run["outputs"], **run["spec_decode"]}
+
+
+@pytest.mark.parametrize("block", ["qwen2", "llama"])
+def test_vllm_accepts_at_every_draft_position_what_osprey_decoding_accepts(vllm_python, workdir, block):
+    """Every draft step, not only the first, is served as `OspreyForDrafting` computes it: vLLM's accepted drafts per
+    position (`num_accepted_tokens_per_pos`, summed over the prompts) equal, exactly, those of Osprey's own loop
+    (`speculative_generate`) with the same drafter, float32, greedy, K = 3, for Qwen2-block and Llama-block drafters.
+
+    The drafter is random, not copying: it shares the embedding, final norm and head of a target whose blocks add
+    nothing (so the target's next token is a function of the current one), and its blocks keep their random output
+    projections, scaled down (`PER_POSITION_NOISE`) but not zeroed. Its drafts are then often the target's tokens, not
+    always, and which ones depends on everything its blocks read: the taps on the first step, and on steps 2 and 3 the
+    pre-norm state it fed back, its own KV cache and the positions. Positions 2 and 3 must be accepted a fair number
+    of times (asserted; measured 32 and 25 of 83 drafts for Qwen2 blocks, 25 and 18 of 86 for Llama blocks), so that
+    their counts test those steps.
+
+    Failing controls, run in the same engine after the real pass (tests/vllm_engine.py's test hooks): vLLM's drafter
+    with the fed-back state zeroed on steps 2 and 3, and with those steps one position too far. They fail because the
+    drafter's blocks are not zeroed: its logits on those steps depend on that state and position, and as its drafts
+    sit close to the target's choice, changing them flips some accept/reject decisions, and the counts move (Qwen2:
+    [52, 32, 25] becomes [52, 36, 28] and [52, 33, 25]; Llama: [61, 25, 18] becomes [61, 26, 16] and [62, 23, 17]).
+    Osprey's loop broken the same way reproduces each control's counts exactly, so the comparison sees exactly what the
+    break changes. Outputs stay the target's in every pass (lossless).
+    """
+    directory = workdir / f"per-position-{block}"
+    target = save_target(block, directory / "target", zero_block_outputs=True)
+    drafter = copying_drafter(target, block=block, noise=PER_POSITION_NOISE)
+    exported = export(drafter, directory, directory / "target")
+    result = succeeded(
+        run_engine(
+            vllm_python,
+            workdir,
+            f"per-position-{block}",
+            target=directory / "target",
+            drafter=exported,
+            prompts=PER_POSITION_PROMPTS,
+            max_tokens=PER_POSITION_MAX_TOKENS,
+            controls=list(CONTROLS),
+        )
+    )
+    expected = osprey_counters(target, drafter, PER_POSITION_PROMPTS, PER_POSITION_MAX_TOKENS)
+    served = vllm_counters(result)
+    assert served == expected
+    per_position = expected["num_accepted_tokens_per_pos"]
+    # Steps 2 and 3 are accepted often enough to count, and not always (the drafter is not a copy).
+    assert min(per_position[1:]) >= 10 and per_position[0] < expected["num_drafts"], expected
+    for control in CONTROLS:
+        with broken_later_draft_steps(drafter, control):
+            expected_broken = osprey_counters(target, drafter, PER_POSITION_PROMPTS, PER_POSITION_MAX_TOKENS)
+        served_broken = vllm_counters(result["controls"][control])
+        assert served_broken["outputs"] == expected["outputs"]  # lossless, broken or not
+        assert served_broken["num_accepted_tokens_per_pos"] != expected["num_accepted_tokens_per_pos"], control
+        assert served_broken == expected_broken, control
 
 
 def test_a_drafter_for_another_target_is_refused(vllm_python, workdir):

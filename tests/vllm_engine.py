@@ -9,7 +9,10 @@ script generates greedily in float32 with the target's tokenizer skipped, and wr
   tokens, accepted per position) and the acceptance length they give;
 - with `"record": true`, `JOB.first_pass.safetensors`: what the drafter saw and computed on its first forward over
   the first prompt (token ids, positions, the target's tap states before `fc`, and logits at every position), read
-  with hooks on the drafter inside vLLM's worker.
+  with hooks on the drafter inside vLLM's worker;
+- with `"controls": [NAME, ...]`, the prompts generated again once per control, each with the drafter broken on
+  purpose inside vLLM's worker (`CONTROLS`; test hooks, never used in serving), in `result["controls"][NAME]`
+  (outputs and the spec-decode counters of that pass alone).
 
 Errors (e.g. a drafter that does not fit the target) propagate: the script exits non-zero with vLLM's traceback.
 """
@@ -58,8 +61,53 @@ def read_record(worker) -> dict:
     return {name: record[name].cpu() for name in ("input_ids", "positions", "taps", "logits")}
 
 
+# Ways to break the drafter's later draft steps (2 to K), for a test's failing control; a draft's first step, which
+# reads the target's taps, is left alone.
+CONTROLS = {
+    # the pre-norm state fed back from the previous draft step replaced by zeros
+    "zero_fed_back_state": lambda positions, hidden_states: (positions, hidden_states.new_zeros(hidden_states.shape)),
+    # each later draft step run at the position after its own (its rotary embedding off by one)
+    "shift_draft_positions": lambda positions, hidden_states: (positions + 1, hidden_states),
+}
+
+
+def set_control(worker, control: str | None) -> bool:
+    """Test hook: from now on the drafter's later draft steps run broken as `CONTROLS[control]` says (None: as
+    served). A forward after `combine_hidden_states` is a draft's first step (vLLM's EAGLE-3 proposer projects the
+    target's taps just before it); every other forward is a later step, fed the drafter's own previous state."""
+    model = worker.model_runner.drafter.model
+    if not hasattr(worker, "_osprey_control"):
+        combine, forward = model.combine_hidden_states, model.forward
+        state = {"first_step": False}
+
+        def combine_hidden_states(hidden_states):
+            state["first_step"] = True
+            return combine(hidden_states)
+
+        def controlled_forward(input_ids, positions, hidden_states, inputs_embeds=None):
+            first_step, state["first_step"] = state["first_step"], False
+            if worker._osprey_control is not None and not first_step:
+                positions, hidden_states = CONTROLS[worker._osprey_control](positions, hidden_states)
+            return forward(input_ids, positions, hidden_states, inputs_embeds)
+
+        model.combine_hidden_states = combine_hidden_states
+        model.forward = controlled_forward
+    worker._osprey_control = control
+    return True
+
+
+def generate(llm, prompts, params) -> list[list[int]]:
+    """Each prompt's new token ids, one prompt at a time: the first-pass record is the first prompt's, and batch
+    composition cannot matter."""
+    outputs = []
+    for prompt in prompts:
+        (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        outputs.append(list(output.outputs[0].token_ids))
+    return outputs
+
+
 def main(job_path: str) -> None:
-    from osprey_vllm.metrics import acceptance_length, spec_decode_counters
+    from osprey_vllm.metrics import acceptance_length, counters_between, spec_decode_counters
     from safetensors.torch import save_file
     from vllm import LLM, SamplingParams
 
@@ -88,11 +136,7 @@ def main(job_path: str) -> None:
     if job.get("record"):
         llm.collective_rpc(install_recorder)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
-    outputs = []
-    # One prompt at a time: the first-pass record is the first prompt's, and batch composition cannot matter.
-    for prompt in job["prompts"]:
-        (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-        outputs.append(list(output.outputs[0].token_ids))
+    outputs = generate(llm, job["prompts"], params)
     if job.get("record"):
         (record,) = llm.collective_rpc(read_record)
         save_file({k: v.contiguous() for k, v in record.items()}, str(job_path.with_suffix(".first_pass.safetensors")))
@@ -101,7 +145,17 @@ def main(job_path: str) -> None:
         "outputs": outputs,
         "spec_decode": counters,
         "acceptance_length": acceptance_length(counters) if counters else None,
+        "controls": {},
     }
+    for control in job.get("controls", []):
+        llm.collective_rpc(set_control, args=(control,))
+        llm.reset_prefix_cache()  # nothing computed with the drafter as served is reused
+        before = spec_decode_counters(llm)
+        control_outputs = generate(llm, job["prompts"], params)
+        result["controls"][control] = {
+            "outputs": control_outputs,
+            "spec_decode": counters_between(before, spec_decode_counters(llm)),
+        }
     job_path.with_suffix(".result.json").write_text(json.dumps(result))
 
 
