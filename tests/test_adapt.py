@@ -25,7 +25,8 @@ def tiny_models(tmp_path_factory):
     of prompts."""
     root = tmp_path_factory.mktemp("adapt")
     tokenizer = char_tokenizer()
-    target = make_tiny_target("llama", vocab_size=len(tokenizer))
+    # wider than the backbone: an engine may swap in a target embedding of the drafter's own width (`osprey export`)
+    target = make_tiny_target("llama", vocab_size=len(tokenizer), hidden_size=96)
     target.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
     tiny_backbone("qwen2", len(tokenizer)).save_pretrained(root / "backbone")
@@ -54,9 +55,10 @@ def test_adapt_makes_a_drafter_then_a_rerun_skips_every_stage_and_other_settings
     tiny_models, tmp_path, monkeypatch
 ):
     output = tmp_path / "run"
-    state = adapt(output, _settings(tiny_models))
+    state = adapt(output, _settings(tiny_models, export="vllm"))
     stages = state["stages"]
-    assert all(stages[name]["done"] for name in ("answers", "drafter-init", "features", "distill", "drafter"))
+    assert all(stages[name]["done"] for name in ("answers", "drafter-init", "features", "distill", "drafter", "export"))
+    assert {"config.json", "model.safetensors"} <= {path.name for path in (output / "export").iterdir()}
     assert stages["answers"]["answers"] == 5 and stages["distill"]["steps"] >= 1
     drafter = load_drafter(output / "drafter")
     assert drafter.config.target_name_or_path == str(tiny_models / "target")
@@ -73,7 +75,8 @@ def test_adapt_makes_a_drafter_then_a_rerun_skips_every_stage_and_other_settings
 
     for name in ("write_answers", "convert_backbone", "build_features", "distill_drafter", "finish_drafter"):
         monkeypatch.setattr(adapt_module, name, must_not_run)
-    assert adapt(output, _settings(tiny_models))["stages"] == stages
+    monkeypatch.setattr(adapt_module, "export_stage", must_not_run)
+    assert adapt(output, _settings(tiny_models, export="vllm"))["stages"] == stages
     with pytest.raises(ValueError, match="token_passes: 300 there, 600 asked"):
         adapt(output, _settings(tiny_models, token_passes=600))
 

@@ -17,7 +17,7 @@ The stages, each writing its product to `DIR/<stage>/` and marking it done (`DIR
 6. `evaluate`: held-out τ (chains, greedy) per language group on prompts no stage trained on, and a short speed check
    against the target alone at the drafter's decoding shape (`osprey_decoding.json`, which `osprey demo --drafter DIR`
    reads); the table is `osprey bench`'s.
-7. optional `export` (`--export vllm`) and `--push-to-hub REPO`.
+7. optional `export` (`--export vllm`, or any `osprey export --format`) and `--push-to-hub REPO`.
 
 A rerun skips finished stages and resumes the one that was stopped (answers line by line, the feature cache after its
 last shard, distillation from its last checkpoint). A directory made for another target, backbone or prompt set is
@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from osprey.demo import DECODING_NAME, decoding_shape
+from osprey.export import FORMATS as EXPORT_FORMATS
 from osprey.zoo import DEFAULT_BACKBONE
 
 STATE_NAME = "adapt.json"
@@ -484,8 +485,8 @@ def adapt(output_dir: str | os.PathLike, settings: AdaptSettings) -> dict:
 
     if settings.token_passes is None and settings.budget_minutes is None:
         raise ValueError("Give a distillation budget: --token-passes (e.g. 80k) or --budget (e.g. 20min).")
-    if settings.export not in (None, "vllm", "sglang", "speculators"):
-        raise ValueError(f"--export takes vllm, sglang or speculators, not {settings.export!r}.")
+    if settings.export not in (None, *EXPORT_FORMATS):
+        raise ValueError(f"--export takes one of {', '.join(EXPORT_FORMATS)}, not {settings.export!r}.")
     run = AdaptRun(output_dir, settings)
     dtype = getattr(torch, settings.dtype)
     target = tokenizer = None
@@ -581,7 +582,7 @@ def add_subcommand(subparsers) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=AdaptSettings.dtype, help="target dtype")
     parser.add_argument("--seed", type=int, default=AdaptSettings.seed)
     parser.add_argument("--no-evaluate", action="store_true", help="skip the held-out τ and the speed check")
-    parser.add_argument("--export", choices=("vllm", "sglang", "speculators"), help="also export the drafter")
+    parser.add_argument("--export", choices=EXPORT_FORMATS, help="also export the drafter (`osprey export --format`)")
     parser.add_argument("--push-to-hub", metavar="REPO", help="publish the drafter with its card")
     parser.set_defaults(run=_run_adapt)
 
