@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
+from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
 from transformers.trainer_utils import has_length
@@ -255,11 +256,15 @@ def ttt_loss(
     # The tokens of every step embedded at once (step k reads x_{t+1+k}, padding past the end): one embedding
     # gradient per batch, not one dense vocabulary-sized gradient per step.
     padded_ids = F.pad(input_ids, (0, num_steps))
-    embeddings = unwrap(drafter).get_input_embeddings()(padded_ids)
+    # Under FSDP each step's forward embeds its own tokens and the head is read after each forward instead: FSDP
+    # gathers a unit's parameters for its forwards and reduces their gradients after its backwards, so a weight read
+    # before the first forward is still a shard, and a gradient reaching it after that unit's last backward is lost.
+    per_step = isinstance(drafter, FSDPModule)
+    embeddings = None if per_step else unwrap(drafter).get_input_embeddings()(padded_ids)
     # The LM head, applied by the loss a chunk of rows at a time; cast (and laid out column-major) once for the five
     # steps, as autocast's cache would cast it for `nn.Linear`, its five gradients summed in that dtype and layout
     # before the one copy back.
-    head = head_for_loss(unwrap(drafter).lm_head.weight)
+    head = None if per_step else head_for_loss(unwrap(drafter).lm_head.weight)
     loss = torch.zeros((), device=device)
     step_losses, step_correct, step_counts, step_logits = [], [], [], []
     hidden_states = None
@@ -284,11 +289,13 @@ def ttt_loss(
             cache=cache,
             use_cache=True,
             logits_to_keep=counted,
-            inputs_embeds=embeddings[:, 1 + step : 1 + step + num_positions],
+            inputs_embeds=None if per_step else embeddings[:, 1 + step : 1 + step + num_positions],
             skip_logits=True,
             **features,
         )
         hidden_states = outputs.prenorm_hidden_states
+        if per_step:
+            head = head_for_loss(unwrap(drafter).lm_head.weight)
         rows = label_rows[:, labels][label_mask[:, labels]]
         cross_entropy, draft_argmax = linear_soft_cross_entropy(outputs.last_hidden_state, head, target_probs, rows)
         count = counted.sum()
@@ -529,8 +536,6 @@ class OspreyDistillTrainer(Trainer):
             self.feature_cache.check_drafter(model.config)
         if args.freeze_embeddings:
             model.get_input_embeddings().requires_grad_(False)
-        if model.lm_head.weight is not model.get_input_embeddings().weight:
-            store_column_major(model.lm_head.weight)  # the layout the TTT loss's head GEMMs read fastest
         pad_token_id = getattr(processing_class, "pad_token_id", None) or 0
         super().__init__(
             model=model,
@@ -542,6 +547,9 @@ class OspreyDistillTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        # The layout the TTT loss's head GEMMs read fastest; FSDP shards contiguous parameters only
+        if model.lm_head.weight is not model.get_input_embeddings().weight and not self.is_fsdp_enabled:
+            store_column_major(model.lm_head.weight)
         set_cpu_memory_policy(self)
         self.target_model = None
         if target_model is not None:
