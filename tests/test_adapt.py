@@ -78,7 +78,7 @@ def test_adapt_makes_a_drafter_then_a_rerun_skips_every_stage_and_other_settings
     monkeypatch.setattr(adapt_module, "export_stage", must_not_run)
     assert adapt(output, _settings(tiny_models, export="vllm"))["stages"] == stages
     with pytest.raises(ValueError, match="token_passes: 300 there, 600 asked"):
-        adapt(output, _settings(tiny_models, token_passes=600))
+        adapt(output, **vars(_settings(tiny_models, token_passes=600)))
 
 
 def test_a_stopped_stage_keeps_its_time_and_runs_again(tmp_path):

@@ -477,9 +477,14 @@ def export_stage(run: AdaptRun) -> dict:
 # ------------------------------------------------------------------------------------------------------------ driver
 
 
-def adapt(output_dir: str | os.PathLike, settings: AdaptSettings) -> dict:
+def adapt(output_dir: str | os.PathLike, settings: AdaptSettings | None = None, **fields) -> dict:
     """Runs (or resumes) every stage of the adaptation in `output_dir`; returns `adapt.json`'s record. The Python
-    API of `osprey adapt`: `trainers.adapt.adapt("runs/my-drafter", AdaptSettings(target="..."))`."""
+    API of `osprey adapt` (`from trainers.adapt import adapt`): `adapt("runs/my-drafter", target="TARGET")`, the
+    fields of [`AdaptSettings`] as keywords (or an `AdaptSettings`)."""
+    if settings is None:
+        settings = AdaptSettings(**fields)
+    elif fields:
+        raise ValueError("Pass either an AdaptSettings or its fields as keywords, not both.")
     from osprey.model_card import drafter_card
     from osprey.zoo import load_causal_lm, load_tokenizer
 
