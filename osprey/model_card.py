@@ -208,10 +208,6 @@ def backbone_card(folder: str | os.PathLike, repo_id: str) -> ModelCard:
         tags=["osprey", "speculative-decoding", "drafter-backbone"],
     )
     template = resources.files("hub_cards").joinpath("backbone.md").read_text(encoding="utf-8")
-    stage2, perplexity, pruning = facts["stage2"], facts["held_out_perplexity"], facts["pruning"]
-    license_note = {"apache-2.0": f"Apache-2.0, as its parent {parent_id}."}.get(
-        facts["license"], f"{facts['license']}, as its parent {parent_id}."
-    )
     return ModelCard.from_template(
         card_data,
         template_str=template,
@@ -220,24 +216,11 @@ def backbone_card(folder: str | os.PathLike, repo_id: str) -> ModelCard:
         parent_id=parent_id,
         architecture=(config.get("architectures") or [config.get("model_type")])[0],
         num_hidden_layers=config["num_hidden_layers"],
-        source_num_hidden_layers=pruning["source_num_hidden_layers"],
-        strategy=pruning["strategy"],
-        kept_layers=pruning["kept_layers"],
-        num_languages=len(stage2["languages"]),
-        languages=stage2["languages"],
-        objective=stage2["objective"],
-        corpus=stage2["corpus"],
-        steps=stage2["steps"],
-        tokens=stage2["tokens"],
-        sequence_length=stage2["sequence_length"],
-        config=stage2["config"],
-        groups=perplexity["groups"],
-        parent=perplexity["parent"],
-        pruned=perplexity["pruned"],
-        backbone=perplexity["backbone"],
-        tokens_per_group=perplexity["tokens_per_group"],
-        perplexity_source=perplexity["source"],
-        license_note=license_note,
+        pruning=facts["pruning"],
+        stage2=facts["stage2"],
+        perplexity=facts["held_out_perplexity"],
+        license=facts["license"],
+        zoo_name=facts["name"],
     )
 
 
