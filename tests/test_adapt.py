@@ -81,6 +81,12 @@ def test_adapt_makes_a_drafter_then_a_rerun_skips_every_stage_and_other_settings
         adapt(output, **vars(_settings(tiny_models, token_passes=600)))
 
 
+def test_a_budget_in_minutes_ends_distillation_at_its_deadline(tiny_models, tmp_path):
+    state = adapt(tmp_path / "run", _settings(tiny_models, token_passes=None, budget_minutes=1e-6))
+    assert state["stages"]["distill"]["steps"] == 1  # the deadline has passed at the first step's end
+    assert load_drafter(tmp_path / "run" / "drafter") is not None
+
+
 def test_a_stopped_stage_keeps_its_time_and_runs_again(tmp_path):
     run = AdaptRun(tmp_path / "run", AdaptSettings(target="t"))
     calls = []

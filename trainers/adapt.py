@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 from osprey.demo import DECODING_NAME, decoding_shape
 from osprey.export import FORMATS as EXPORT_FORMATS
@@ -241,7 +242,10 @@ def write_answers(run: AdaptRun, target, tokenizer) -> dict:
         parts.append(path)
     lines = [line for path in parts for line in path.read_text(encoding="utf-8").splitlines(keepends=True)]
     if not lines:
-        raise ValueError(f"No prompt of {list(sources)} fits --max-prompt-tokens {settings.max_prompt_tokens}.")
+        raise ValueError(
+            f"No opening of {list(sources)} is at most {settings.max_prompt_tokens} tokens long (max_prompt_tokens): "
+            "pass shorter prompts."
+        )
     (folder / "train.jsonl").write_text("".join(lines), encoding="utf-8")
     tokens = sum(len(tokenizer(json.loads(line)["messages"][-1]["content"])["input_ids"]) for line in lines)
     return {"answers": len(lines), "answer_tokens": tokens, "written_now": written}
@@ -299,23 +303,16 @@ def build_features(run: AdaptRun, target, tokenizer, layer_ids) -> dict:
     return {"sequences": train["num_sequences"], "tokens": train["num_tokens"]}
 
 
-class StopAtDeadline:
-    """A `TrainerCallback` that ends training (saving the model as finished) once `minutes` of training have passed,
-    counted across resumes from the step the run resumed at."""
+class StopAtDeadline(TrainerCallback):
+    """Ends training (the model is saved as finished) at the first step end after `minutes` from now."""
 
-    def __new__(cls, minutes: float, already: float):
-        from transformers import TrainerCallback
+    def __init__(self, minutes: float):
+        self.deadline = time.perf_counter() + minutes * 60
 
-        class _Stop(TrainerCallback):
-            def __init__(self):
-                self.deadline = time.perf_counter() + (minutes - already) * 60
-
-            def on_step_end(self, args, state, control, **kwargs):
-                if time.perf_counter() >= self.deadline:
-                    control.should_training_stop = True
-                return control
-
-        return _Stop()
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.perf_counter() >= self.deadline:
+            control.should_training_stop = True
+        return control
 
 
 def distill_drafter(run: AdaptRun, features: dict) -> dict:
@@ -372,8 +369,8 @@ def distill_drafter(run: AdaptRun, features: dict) -> dict:
         processing_class=load_tokenizer(run.stage_dir("drafter-init")),
     )
     if settings.budget_minutes is not None:
-        already = run.state["stages"].get("distill", {}).get("minutes", 0.0)
-        trainer.add_callback(StopAtDeadline(settings.budget_minutes, already))
+        already = run.state["stages"].get("distill", {}).get("minutes", 0.0)  # spent before a resume
+        trainer.add_callback(StopAtDeadline(settings.budget_minutes - already))
     status = train_and_save(trainer, True if resume else None)
     if status:
         raise KeyboardInterrupt(f"distillation stopped (exit {status}); rerun the same command to resume it")
