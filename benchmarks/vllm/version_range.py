@@ -73,9 +73,14 @@ def default_versions(supported: str, below_range: bool) -> list[str]:
 
 
 def first_error_line(output: str) -> str:
-    """The first line that says what went wrong: pytest's first `E ` line, else the first FAILED/ERROR summary line,
-    else the last non-empty line."""
+    """The first line that says what went wrong: the first exception a vLLM engine raised (its output, which
+    tests/test_vllm.py prints when an engine exits with an error), else pytest's first `E ` line, else the first
+    FAILED/ERROR summary line, else the last non-empty line."""
     lines = [line.rstrip() for line in output.splitlines() if line.strip()]
+    for line in lines:
+        match = re.match(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception): .+)", line)
+        if match and "its output is above" not in line and not line.startswith("E "):
+            return match.group(1).strip()[:500]
     for prefix in ("E ", "FAILED ", "ERROR "):
         for line in lines:
             if line.startswith(prefix):
