@@ -13,7 +13,8 @@ plugin's `register()` refuses it, and records "refused: <message>", the expected
 
 Each outcome is written to benchmarks/results/vllm-version-range.json as soon as it is known:
 `{"supported": ..., "versions": {"0.32.0": "passed", "0.31.0": "failed: <first error line>", ...}, "command": ...,
-"date": ..., "wall_seconds": {...}, "details": {...}}`; "not installable: <reason>" when pip fails. A rerun skips
+"date": ..., "wall_seconds": {...}, "details": {...}}`; "not installable: <reason>" when pip fails. A "notes" entry,
+written by hand (what a failure was traced to), is kept across reruns. A rerun skips
 the releases already recorded (--force reruns them). A venv is deleted once its release is recorded (--keep-venvs
 keeps them); one left by an interrupted run that already holds the release is reused.
 
@@ -216,7 +217,8 @@ def main() -> None:
         end = time.monotonic()
         results["versions"][version] = outcome
         results["wall_seconds"][version] = {"install": round(installed - start), "total": round(end - start)}
-        results["details"][version] = summary + ("; venv made before this run, reused" if version in REUSED else "")
+        reused = ["venv made before this run, reused"] if version in REUSED else []
+        results["details"][version] = "; ".join([summary] * bool(summary) + reused)
         results["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         results["versions"] = dict(sorted(results["versions"].items(), key=lambda kv: Version(kv[0]), reverse=True))
         args.results.write_text(json.dumps(results, indent=2) + "\n")
