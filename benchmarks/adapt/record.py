@@ -35,24 +35,15 @@ SET_NAMES = {"english": "english_subset", "multilingual": "held_out_non_english"
 SET_TITLES = {"english": "the 25-prompt English subset", "multilingual": "held-out non-English openings"}
 
 
-def set_taus(path: Path) -> dict[str, float]:
-    """Mean request tau per method of a results file."""
+def mean_taus(path: Path, key: str = "method", method: str | None = None) -> dict[str, float]:
+    """Mean request tau of a results file per `key` of its requests (`method`, or `category`: the language group),
+    over `method`'s requests only when given."""
     results = json.loads(path.read_text())
     taus: dict[str, list[float]] = {}
     for row in results["requests"]:
-        if row["tau"] is not None:
-            taus.setdefault(row["method"], []).append(row["tau"])
-    return {method: sum(values) / len(values) for method, values in taus.items()}
-
-
-def group_taus(path: Path, method: str) -> dict[str, float]:
-    """Mean request tau per category (language group) of one method."""
-    results = json.loads(path.read_text())
-    groups: dict[str, list[float]] = {}
-    for row in results["requests"]:
-        if row["method"] == method and row["tau"] is not None:
-            groups.setdefault(row["category"], []).append(row["tau"])
-    return {group: round(sum(values) / len(values), 4) for group, values in groups.items()}
+        if row["tau"] is not None and method in (None, row["method"]):
+            taus.setdefault(row[key], []).append(row["tau"])
+    return {name: sum(values) / len(values) for name, values in taus.items()}
 
 
 def main() -> None:
@@ -66,7 +57,7 @@ def main() -> None:
     state = json.loads((args.run_dir / "adapt.json").read_text())
     stages = state["stages"]
     minutes = sum(stage["minutes"] for stage in stages.values())
-    taus = {name: set_taus(Path(f"{args.results}-heldout-{name}.json")) for name in args.held_out}
+    taus = {name: mean_taus(Path(f"{args.results}-heldout-{name}.json")) for name in args.held_out}
 
     def column(method: str) -> dict[str, float | None]:
         return {SET_NAMES[name]: _round(taus[name].get(method)) for name in args.held_out}
@@ -104,8 +95,8 @@ def main() -> None:
     if "multilingual" in args.held_out:
         path = Path(f"{args.results}-heldout-multilingual.json")
         record["tau_per_language_group"] = {
-            "adapt": group_taus(path, "adapt"),
-            "eagle3": group_taus(path, controls["eagle3"][0]),
+            name: {group: round(tau, 4) for group, tau in mean_taus(path, "category", method).items()}
+            for name, method in (("adapt", "adapt"), ("eagle3", controls["eagle3"][0]))
         }
     output = Path(f"{args.results}.json")
     output.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
