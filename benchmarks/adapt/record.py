@@ -10,6 +10,7 @@ every method of a set decoded the same prompts in the same results file.
 import argparse
 import json
 import re
+import statistics
 from pathlib import Path
 
 # The controls of each target, in its held-out results files: EAGLE-3 distilled on the same target's answers to the
@@ -46,6 +47,23 @@ def mean_taus(path: Path, key: str = "method", method: str | None = None) -> dic
     return {name: sum(values) / len(values) for name, values in taus.items()}
 
 
+def paired_difference(path: Path, method: str, control: str) -> dict:
+    """`method`'s tau minus `control`'s on each prompt both decoded: the mean, its standard error, and on how many
+    prompts `method` is higher / lower (a tie on the set's mean can hide either)."""
+    results = json.loads(path.read_text())
+    taus: dict[str, dict] = {}
+    for row in results["requests"]:
+        taus.setdefault(row["method"], {})[row["suite"], row["category"], row["prompt_id"]] = row["tau"]
+    diffs = [tau - taus[control][key] for key, tau in taus[method].items() if taus[control].get(key) is not None]
+    return {
+        "prompts": len(diffs),
+        "mean": round(statistics.mean(diffs), 4),
+        "standard_error": round(statistics.stdev(diffs) / len(diffs) ** 0.5, 4),
+        "higher": sum(diff > 0 for diff in diffs),
+        "lower": sum(diff < 0 for diff in diffs),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target")
@@ -75,6 +93,12 @@ def main() -> None:
         "tau": column("adapt"),
         "eagle3_tau": column(controls["eagle3"][0]),
         "eagle3_token_passes": controls["eagle3"][1],
+        "tau_minus_eagle3_per_prompt": {
+            SET_NAMES[name]: paired_difference(
+                Path(f"{args.results}-heldout-{name}.json"), "adapt", controls["eagle3"][0]
+            )
+            for name in args.held_out
+        },
         "speedup": _round(demo_overall["speedup"]),
         "demo_tau": _round(demo_overall["tau"]),
         "demo_decoding": stages["evaluate"]["decoding"],
