@@ -21,6 +21,7 @@ SUBCOMMAND_MODULES = (
     "osprey.decode",  # stage 5
     "osprey.bench",
     "osprey.export",  # to vLLM / SGLang
+    "osprey.tune",  # the draft length per batch size for vLLM
     "osprey.hub",  # push
     "osprey.demo",  # the main job on the packaged drafter
     "trainers.adapt",  # stages 3 to 5 for a user's target, in one command

@@ -40,6 +40,14 @@ from modeling_osprey import OspreyConfig, OspreyForDrafting
 from . import zoo
 from .ground import copy_notices, read_input_embedding, require_empty_output_dir
 from .pack import load_drafter
+from .vllm_schedule import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DEFAULT_SCHEDULE_SOURCE,
+    SPECULATIVE_CONFIG_FILE,
+    read_speculative_config,
+    serve_command,
+    speculative_config,
+)
 
 VLLM, SPECULATORS, SGLANG = "vllm", "speculators", "sglang-eagle3"
 FORMATS = (VLLM, SPECULATORS, SGLANG)
@@ -237,15 +245,23 @@ def export_drafter(
     output_dir: str | os.PathLike,
     target: str | os.PathLike | None = None,
     verifier: str | None = None,
+    schedule: str | os.PathLike | None = None,
 ) -> Path:
     """Writes `drafter` (a model or a drafter directory) to the new or empty `output_dir` as `config.json` and
     `model.safetensors` in `export_format` (one of `FORMATS`), with its license files; raises `ValueError` listing
     every reason the engine would compute something else. `target` (zoo name, directory or Hub id) fills the
     verifier of a `speculators` config and checks an embedding the engine would share with the target; `verifier`
     overrides the verifier's name (default: the target the drafter was converted for, from its
-    `alignment_report.json`)."""
+    `alignment_report.json`).
+
+    `vllm` also writes `speculative_config.json`, vLLM's speculative config for this export with a draft length per
+    batch size: `schedule`'s (an `osprey tune` output folder or its `speculative_config.json`), else
+    `osprey.vllm_schedule.DEFAULT_SCHEDULE`."""
     if export_format not in FORMATS:
         raise ValueError(f"Unknown export format {export_format!r}: choose one of {', '.join(FORMATS)}.")
+    if schedule is not None and export_format != VLLM:
+        raise ValueError(f"--schedule is vLLM's draft length per batch size: export with --format {VLLM}, or drop it.")
+    tuned = None if schedule is None else read_speculative_config(schedule)
     output_dir = require_empty_output_dir(output_dir)
     source_dir = None
     if not isinstance(drafter, OspreyForDrafting):
@@ -278,6 +294,10 @@ def export_drafter(
     output_dir.mkdir(parents=True, exist_ok=True)
     save_file(eagle3_tensors(drafter, export_format), output_dir / "model.safetensors", metadata={"format": "pt"})
     (output_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if export_format == VLLM:
+        k_max = DEFAULT_NUM_SPECULATIVE_TOKENS if tuned is None else tuned["num_speculative_tokens"]
+        serving = speculative_config(output_dir, k_max, tuned and tuned["num_speculative_tokens_per_batch_size"])
+        (output_dir / SPECULATIVE_CONFIG_FILE).write_text(json.dumps(serving, indent=1) + "\n")
     if source_dir is not None:
         copy_notices(source_dir, output_dir)
     return output_dir
@@ -309,10 +329,31 @@ def add_subcommand(subparsers) -> None:
     parser.add_argument("--output", required=True, help="new (or empty) directory for the exported checkpoint")
     parser.add_argument("--target", help="the target (zoo name, directory or Hub id): verifier name, embedding check")
     parser.add_argument("--verifier", help="target name_or_path to record (vllm, speculators; default: the target)")
+    parser.add_argument(
+        "--schedule",
+        metavar="DIR",
+        help=f"vllm: the draft length per batch size `osprey tune --output DIR` found (default: measured on "
+        f"{DEFAULT_SCHEDULE_SOURCE})",
+    )
     parser.set_defaults(run=_run_export)
 
 
 def _run_export(args) -> int:
-    output = export_drafter(args.drafter, args.export_format, args.output, target=args.target, verifier=args.verifier)
+    output = export_drafter(
+        args.drafter,
+        args.export_format,
+        args.output,
+        target=args.target,
+        verifier=args.verifier,
+        schedule=args.schedule,
+    )
     print(f"exported {args.drafter} as {args.export_format} to {output}")
+    if args.export_format == VLLM:
+        source = args.schedule or f"the default, measured on {DEFAULT_SCHEDULE_SOURCE}; `osprey tune` measures yours"
+        print(f"draft length per batch size in {output / SPECULATIVE_CONFIG_FILE} ({source}); serve with:")
+        print(
+            serve_command(
+                json.loads((output / "config.json").read_text()).get("target_name_or_path") or "TARGET", output
+            )
+        )
     return 0

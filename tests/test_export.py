@@ -24,6 +24,7 @@ from transformers import LlamaConfig
 from osprey import OspreyConfig, OspreyForDrafting
 from osprey import export as export_module
 from osprey.export import SGLANG, SPECULATORS, VLLM, export_drafter
+from osprey.vllm_schedule import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_SCHEDULE
 
 TAPS = [1, 3, 6]
 FUSED_SHARDS = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj"}
@@ -369,6 +370,42 @@ def test_vllm_format_takes_osprey_drafters_with_the_plugins_architecture(tmp_pat
     if speculators_tensors is not None:
         assert tensors.keys() == speculators_tensors.keys()
         assert all(torch.equal(tensors[name], speculators_tensors[name]) for name in tensors)
+
+
+def test_vllm_export_writes_its_speculative_config_and_the_serve_line(tmp_path, capsys):
+    """`--format vllm` writes vLLM's speculative config beside the weights (the shipped draft length per batch size,
+    or an `osprey tune` output's), and prints the line that serves it."""
+    drafter_dir = tmp_path / "drafter"
+    eagle3_drafter(residual_stream="tokens").save_pretrained(drafter_dir)
+    (drafter_dir / "alignment_report.json").write_text(json.dumps({"target": "Qwen/Qwen3-8B"}))
+    parser = argparse.ArgumentParser()
+    export_module.add_subcommand(parser.add_subparsers())
+    args = parser.parse_args(
+        ["export", "--drafter", str(drafter_dir), "--format", "vllm", "--output", str(tmp_path / "a")]
+    )
+    assert args.run(args) == 0
+    out = capsys.readouterr().out
+    served = json.loads((tmp_path / "a" / "speculative_config.json").read_text())
+    assert served == {
+        "method": "eagle3",
+        "model": str((tmp_path / "a").resolve()),
+        "num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS,
+        "num_speculative_tokens_per_batch_size": DEFAULT_SCHEDULE,
+    }
+    assert f'--model Qwen/Qwen3-8B --speculative-config "$(cat {tmp_path / "a" / "speculative_config.json"})"' in out
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    (tuned / "speculative_config.json").write_text(
+        json.dumps({**served, "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 9, 4]]})
+    )
+    export_drafter(drafter_dir, VLLM, tmp_path / "b", schedule=tuned)
+    served = json.loads((tmp_path / "b" / "speculative_config.json").read_text())
+    assert served["num_speculative_tokens"] == 4 and served["num_speculative_tokens_per_batch_size"] == [[1, 9, 4]]
+    assert served["model"] == str((tmp_path / "b").resolve())
+    with pytest.raises(ValueError, match="--format vllm"):
+        export_drafter(drafter_dir, SPECULATORS, tmp_path / "c", schedule=tuned)
+    with pytest.raises(ValueError, match="osprey tune"):
+        export_drafter(drafter_dir, VLLM, tmp_path / "d", schedule=tmp_path / "missing")
 
 
 def save_target_config(directory, num_layers):

@@ -171,7 +171,7 @@ def test_no_two_modules_import_each_other():
 # Code that runs in vLLM's own environment, where the osprey package is not installed (its transformers pin conflicts
 # with vLLM's): the osprey-vllm plugin and the scripts that drive vLLM engines.
 VLLM_SIDE = sorted((ROOT / "serving" / "vllm").rglob("*.py")) + [
-    ROOT / "benchmarks" / "vllm" / "engine.py",
+    ROOT / "osprey" / "vllm_engine.py",
     ROOT / "tests" / "vllm_engine.py",
 ]
 

@@ -1,21 +1,27 @@
 """Osprey in vLLM against vLLM's own speculative decoding, in one run: vLLM alone, ngram (prompt lookup), a draft model
-(the target's small sibling), an EAGLE-3 drafter (stock vLLM, `osprey export --format speculators`) and an Osprey
-drafter (the osprey-vllm plugin, `--format vllm`), at one request at a time and at N concurrent requests.
+(the target's small sibling), an EAGLE-3 drafter (stock vLLM, `osprey export --format speculators`), an Osprey
+drafter (the osprey-vllm plugin, `--format vllm`) at one draft length, and the same drafter with the draft length per
+batch size that its export recommends (`osprey-schedule`: the export's `speculative_config.json`, or `--schedule DIR`
+from `osprey tune`), each at every concurrency of `--concurrency`.
 
     python benchmarks/vllm/bench.py --target qwen2.5-coder-1.5b-instruct --drafter osprey=DIR --drafter eagle3=DIR \\
-        --sps qwen2.5-coder-0.5b-instruct --per-category 1 --max-new-tokens 64 \\
+        --sps qwen2.5-coder-0.5b-instruct --per-category 1 --max-new-tokens 64 --concurrency 1 2 4 8 \\
         --output benchmarks/results/vllm-qwen2.5-coder-1.5b-instruct.json
 
 First each speculative method's draft length (vLLM's `num_speculative_tokens`) is chosen on held-out prompts, never
 the bench's (`held_out_prompts`: the next seeded prompt of each category, `--tune-prompts` of them evenly spaced), by
-tokens/s at one request at a time; then every method decodes the bench's prompts with its chosen length. Every engine
-is a subprocess in vLLM's environment (`benchmarks/vllm/engine.py`, `--vllm-python`), greedy, in the target's
-`--dtype`, eager (`enforce_eager`: an engine start without torch.compile takes ~1 min here instead of 2-4). Each
-engine's result is kept in `--work-dir`, so a rerun resumes. tau is vLLM's mean acceptance length (1 + accepted
-draft tokens per draft, from its spec-decode counters); speedup is tokens/s over vLLM alone's at the same concurrency.
-Last, for the methods of `--profile`, a separate in-process run at `--concurrency` times the target's and the
-drafter's forward passes (where the time goes). Writes OUTPUT (`records`: method, concurrency, tau, tokens_per_s,
-speedup; plus the tuning, the profile and the settings) and OUTPUT's .md and .png.
+tokens/s at one request at a time (`osprey-schedule` keeps its schedule's); then every method decodes the bench's
+prompts with its chosen length at each concurrency N: all the prompts, at most N in the engine at once. Every engine
+is a subprocess in vLLM's environment (`osprey/vllm_engine.py`, `--vllm-python`), vLLM's default multi-process engine
+(engine core and worker in their own processes, as a server runs), greedy, in the target's `--dtype`, eager
+(`enforce_eager`: an engine start without torch.compile takes ~1 min here instead of 2-4); `--omp-threads-bind` and
+`--reserved-cpus` set vLLM's `VLLM_CPU_OMP_THREADS_BIND` and `VLLM_CPU_NUM_OF_RESERVED_CPU`, and every record keeps
+the CPU settings its engine ran with. Each engine's result is kept in `--work-dir`, so a rerun resumes. tau is vLLM's
+mean acceptance length (1 + accepted draft tokens per draft, from its spec-decode counters); speedup is tokens/s over
+vLLM alone's at the same concurrency. With `--profile`, a separate in-process run at the largest concurrency times the
+target's and the drafter's forward passes of those methods (where the time goes). Writes OUTPUT (`records`: method,
+concurrency, tau, tokens_per_s, speedup; plus the tuning, the schedule, the profile and the settings) and OUTPUT's .md
+and .png.
 """
 
 import argparse
@@ -34,18 +40,23 @@ from osprey import zoo  # noqa: E402
 from osprey.bench_suites import held_out_prompts, load_suite, select_subset  # noqa: E402
 from osprey.decode import encode_prompt  # noqa: E402
 from osprey.export import SPECULATORS, VLLM, export_drafter  # noqa: E402
+from osprey.tune import run_engine as run_engine_job  # noqa: E402
+from osprey.vllm_schedule import read_speculative_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE = Path(__file__).resolve().parent / "engine.py"
-METHODS = ("vllm", "ngram", "draft-model", "eagle3", "osprey")
+METHODS = ("vllm", "ngram", "draft-model", "eagle3", "osprey", "osprey-schedule")
 DEFAULT_GRID = {"ngram": [3, 5], "draft-model": [3, 5], "eagle3": [2, 3, 4], "osprey": [2, 3, 4]}
 NGRAM_LOOKUP = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+SCHEDULE_KEYS = ("num_speculative_tokens", "num_speculative_tokens_per_batch_size")
 
 
 def speculative_config(method: str, num_tokens: int, drafts: dict) -> dict | None:
-    """vLLM's `speculative_config` for `method` drafting `num_tokens` tokens (None: the target alone)."""
+    """vLLM's `speculative_config` for `method` drafting `num_tokens` tokens (None: the target alone;
+    `osprey-schedule`: its schedule's config as it is)."""
     if method == "vllm":
         return None
+    if method == "osprey-schedule":
+        return drafts[method]
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": num_tokens, **NGRAM_LOOKUP}
     if method == "draft-model":
@@ -53,20 +64,27 @@ def speculative_config(method: str, num_tokens: int, drafts: dict) -> dict | Non
     return {"method": "eagle3", "model": drafts[method], "num_speculative_tokens": num_tokens}
 
 
+def engine_env(args) -> dict:
+    """vLLM's CPU settings for every engine (part of each job, so a rerun with other settings reruns it)."""
+    env = {}
+    if args.omp_threads_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_threads_bind
+    if args.reserved_cpus is not None:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.reserved_cpus)
+    return env
+
+
 def run_engine(args, name: str, job: dict) -> dict:
     """Runs (or, when its result exists, resumes) one engine job in vLLM's environment."""
     job_path = Path(args.work_dir) / f"{name}.json"
     result_path = job_path.with_suffix(".result.json")
-    if result_path.exists() and json.loads(job_path.read_text()) == job:
+    if result_path.exists() and job_path.exists() and json.loads(job_path.read_text()) == job:
         return json.loads(result_path.read_text())
-    job_path.write_text(json.dumps(job))
-    result_path.unlink(missing_ok=True)
     print(f"[vllm bench] {name}", flush=True)
-    with open(job_path.with_suffix(".log"), "w") as log:
-        process = subprocess.run([args.vllm_python, str(ENGINE), str(job_path)], stdout=log, stderr=subprocess.STDOUT)
-    if process.returncode != 0:
-        sys.exit(f"vLLM failed on {name}: see {job_path.with_suffix('.log')}")
-    return json.loads(result_path.read_text())
+    try:
+        return run_engine_job(job, job_path, args.vllm_python, env=job["env"])
+    except RuntimeError as error:
+        sys.exit(f"{name}: {error}")
 
 
 def job_of(args, target_dir: str, config: dict | None, prompt_ids: list, concurrencies: list[int], **extra) -> dict:
@@ -79,19 +97,33 @@ def job_of(args, target_dir: str, config: dict | None, prompt_ids: list, concurr
         "max_tokens": args.max_new_tokens,
         "phases": [{"concurrency": n} for n in concurrencies],
         "enforce_eager": True,
+        "env": engine_env(args),
         **extra,
     }
 
 
 def export_drafts(args) -> dict:
-    """The draft checkpoints vLLM loads: exported Osprey and EAGLE-3 drafters, the draft model's folder."""
-    drafts = {"draft-model": str(zoo.resolve_model_path(args.sps))}
+    """The draft checkpoints vLLM loads: exported Osprey and EAGLE-3 drafters, the draft model's folder; and
+    `osprey-schedule`'s speculative config (the Osprey export's, with `--schedule`'s draft lengths)."""
+    drafts = {"draft-model": str(zoo.resolve_model_path(args.sps))} if args.sps else {}
     for method, export_format in (("osprey", VLLM), ("eagle3", SPECULATORS)):
+        if method not in args.drafters:
+            continue
         source = args.drafters[method]
         output = Path(args.work_dir) / f"{method}-{export_format}"
         if not (output / "config.json").exists():
             export_drafter(source, export_format, output, target=args.target)
         drafts[method] = str(output)
+    if "osprey" not in drafts:
+        return drafts
+    exported = Path(drafts["osprey"])
+    if not (exported / "speculative_config.json").exists():
+        sys.exit(f"{exported} predates speculative_config.json: delete it, and the bench exports the drafter again")
+    config = read_speculative_config(exported)
+    if args.schedule:
+        tuned = read_speculative_config(args.schedule)
+        config = {**config, **{key: tuned[key] for key in SCHEDULE_KEYS}}
+    drafts["osprey-schedule"] = config
     return drafts
 
 
@@ -112,31 +144,43 @@ def tune(args, drafts, target_dir, prompt_ids) -> dict:
 
 def bench(args, drafts, target_dir, prompt_ids, chosen) -> dict:
     results = {}
-    for method in METHODS:
+    for method in args.methods:
         config = speculative_config(method, chosen.get(method, 0), drafts)
-        job = job_of(args, target_dir, config, prompt_ids, [1, args.concurrency])
+        job = job_of(args, target_dir, config, prompt_ids, args.concurrency)
         results[method] = run_engine(args, f"bench-{method}", job)
     return results
 
 
 def profile(args, drafts, target_dir, prompt_ids, chosen) -> dict:
-    """Where the time goes at `--concurrency`: seconds in the target's and the drafter's forward passes, per method of
-    `--profile` (engines in-process, timers around both models; a separate run from the bench's)."""
+    """Where the time goes at the largest concurrency: seconds in the target's and the drafter's forward passes, per
+    method of `--profile` (engines in-process, timers around both models; a separate run from the bench's)."""
     profiles = {}
+    concurrency = max(args.concurrency)
     for method in args.profile:
         config = speculative_config(method, chosen.get(method, 0), drafts)
-        job = job_of(args, target_dir, config, prompt_ids, [args.concurrency], profile=True)
+        job = job_of(args, target_dir, config, prompt_ids, [concurrency], in_process=True, timers=True)
         (phase,) = run_engine(args, f"profile-{method}", job)["phases"]
-        steps = phase["forward_time"]["target"]["calls"]
+        forward_time = {
+            "target": {
+                "calls": len(phase["steps"]),
+                "tokens": sum(step["target_tokens"] for step in phase["steps"]),
+                "seconds": sum(step["target_seconds"] for step in phase["steps"]),
+            },
+            "drafter": {
+                "calls": sum(step["drafter_calls"] for step in phase["steps"]),
+                "seconds": sum(step["drafter_seconds"] for step in phase["steps"]),
+            },
+        }
+        steps = forward_time["target"]["calls"]
         profiles[method] = {
-            "concurrency": args.concurrency,
+            "concurrency": concurrency,
             "seconds": phase["seconds"],
             "tokens_per_s": phase["tokens_per_s"],
             "tau": phase["tau"],
             "target_steps": steps,
-            "target_tokens_per_step": phase["forward_time"]["target"]["tokens"] / steps,
-            "target_seconds_per_step": phase["forward_time"]["target"]["seconds"] / steps,
-            "forward_time": phase["forward_time"],
+            "target_tokens_per_step": forward_time["target"]["tokens"] / steps,
+            "target_seconds_per_step": forward_time["target"]["seconds"] / steps,
+            "forward_time": forward_time,
         }
     return profiles
 
@@ -145,6 +189,7 @@ def records_of(results: dict, chosen: dict) -> list[dict]:
     alone = {phase["concurrency"]: phase for phase in results["vllm"]["phases"]}
     records = []
     for method, result in results.items():
+        cpu = {name: value for name, value in result.get("env", {}).items() if value is not None}
         for phase in result["phases"]:
             baseline = alone[phase["concurrency"]]
             same = sum(a == b for a, b in zip(phase["outputs"], baseline["outputs"]))
@@ -160,6 +205,7 @@ def records_of(results: dict, chosen: dict) -> list[dict]:
                     "seconds": phase["seconds"],
                     "accepted_per_position": phase["spec_decode"]["num_accepted_tokens_per_pos"],
                     "outputs_identical_to_vllm": f"{same}/{len(phase['outputs'])}",
+                    "cpu_settings": cpu,
                 }
             )
     return records
@@ -171,7 +217,10 @@ def write_report(output: Path, summary: dict) -> None:
         "",
         f"{summary['num_prompts']} prompts ({summary['prompts']}), greedy, {summary['max_new_tokens']} new tokens at "
         f"most, {summary['dtype']}, eager, {summary['device']}. Draft lengths chosen on {summary['num_tune_prompts']} "
-        "held-out prompts (tokens/s at concurrency 1).",
+        "held-out prompts (tokens/s at concurrency 1); osprey-schedule drafts "
+        f"{summary['schedule']['num_speculative_tokens_per_batch_size']} ([first batch size, last, draft length]; "
+        f"{summary['schedule']['from']}). vLLM's multi-process engine; CPU settings "
+        f"{summary['cpu_settings'] or 'vLLM defaults'}.",
         "",
         "| method | draft length | concurrency | τ | tokens/s | speedup | outputs identical to vLLM alone |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -204,10 +253,12 @@ def write_report(output: Path, summary: dict) -> None:
         cells = ", ".join(f"{n}: {v['tokens_per_s']:.2f} ({v['tau']:.2f})" for n, v in by_length.items())
         lines.append(f"- {method}: {cells}; chosen {summary['chosen'][method]}")
     output.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    figure, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for axis, concurrency in zip(axes, sorted({r["concurrency"] for r in summary["records"]})):
+    concurrencies = sorted({r["concurrency"] for r in summary["records"]})
+    figure, axes = plt.subplots(1, len(concurrencies), figsize=(5 * len(concurrencies), 3.5), squeeze=False)
+    for axis, concurrency in zip(axes[0], concurrencies):
         rows = [r for r in summary["records"] if r["concurrency"] == concurrency]
         axis.bar([r["method"] for r in rows], [r["speedup"] for r in rows], color="#4c72b0")
+        axis.tick_params(axis="x", labelrotation=45)
         axis.axhline(1.0, color="grey", linewidth=0.8)
         axis.set_title(f"concurrency {concurrency}")
         axis.set_ylabel("speedup over vLLM alone")
@@ -232,34 +283,56 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--drafter",
         action="append",
-        required=True,
+        default=[],
         metavar="NAME=DIR",
         help="osprey=DIR (the Osprey drafter) and eagle3=DIR (the EAGLE-3 drafter), both in Osprey's format",
     )
-    parser.add_argument("--sps", required=True, metavar="MODEL", help="the draft model: zoo name or directory")
+    parser.add_argument("--sps", metavar="MODEL", help="the draft model: zoo name or directory")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="default: all")
     parser.add_argument("--prompts", action="append", metavar="SUITE", help="suites (default: the replication's four)")
     parser.add_argument("--per-category", type=int, default=1, help="bench prompts per category (default: 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tune-prompts", type=int, default=8, help="held-out prompts for the tuning (default: 8)")
     parser.add_argument("--num-draft-tokens", action="append", default=[], metavar="METHOD=N,N", help="tuning grid")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=8, help="concurrent requests of the second phase")
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrent requests (default: 1 2 4 8)"
+    )
+    parser.add_argument("--schedule", metavar="DIR", help="osprey-schedule's draft lengths: `osprey tune --output DIR`")
+    parser.add_argument("--omp-threads-bind", help="VLLM_CPU_OMP_THREADS_BIND for every engine (e.g. 0-1, auto)")
+    parser.add_argument("--reserved-cpus", type=int, help="VLLM_CPU_NUM_OF_RESERVED_CPU for every engine")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument(
-        "--profile", default="vllm,osprey", help="methods whose time split at --concurrency is measured ('' for none)"
+        "--profile",
+        default="",
+        help="methods whose time split at the largest concurrency is measured (e.g. vllm,osprey)",
     )
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--work-dir", default=os.environ.get("RUNS", "/work/runs") + "/vllm-bench")
     parser.add_argument("--output", required=True, help="results JSON; .md and .png beside it")
     args = parser.parse_args(argv)
     args.drafters = dict(value.split("=", 1) for value in args.drafter if "=" in value)
-    if sorted(args.drafters) != ["eagle3", "osprey"] or len(args.drafter) != 2:
+    if not set(args.drafters) <= {"eagle3", "osprey"} or len(args.drafters) != len(args.drafter):
         raise SystemExit("--drafter takes osprey=DIR and eagle3=DIR, once each")
-    args.grid = parse_grid(args.num_draft_tokens)
+    args.methods = [method for method in METHODS if method in args.methods or method == "vllm"]
+    drafter_of = {"osprey": "osprey", "osprey-schedule": "osprey", "eagle3": "eagle3"}
+    for method in args.methods:
+        if method == "draft-model" and not args.sps:
+            raise SystemExit("the draft-model method needs --sps MODEL (or leave it out of --methods)")
+        if method in drafter_of and drafter_of[method] not in args.drafters:
+            raise SystemExit(
+                f"the {method} method needs --drafter {drafter_of[method]}=DIR (or leave it out of --methods)"
+            )
+    args.grid = {
+        method: lengths for method, lengths in parse_grid(args.num_draft_tokens).items() if method in args.methods
+    }
+    if min(args.concurrency) < 1 or 1 not in args.concurrency:
+        raise SystemExit("--concurrency takes counts of at least 1, and 1 among them (the draft lengths' tuning)")
+    args.concurrency = sorted(set(args.concurrency))
     args.profile = [method for method in args.profile.split(",") if method]
-    unknown = set(args.profile) - set(METHODS)
+    unknown = set(args.profile) - set(args.methods)
     if unknown:
-        raise SystemExit(f"--profile takes methods of {', '.join(METHODS)}, not {', '.join(sorted(unknown))}")
+        raise SystemExit(f"--profile takes methods of {', '.join(args.methods)}, not {', '.join(sorted(unknown))}")
     suites = args.prompts or ["spec_bench", "mt_bench", "humaneval", "mmath"]
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
 
@@ -273,6 +346,8 @@ def main(argv=None) -> int:
 
     tuning = tune(args, drafts, target_dir, encode(tune_prompts, tokenizer))
     chosen = {method: max(lengths, key=lambda n: lengths[n]["tokens_per_s"]) for method, lengths in tuning.items()}
+    if "osprey-schedule" in args.methods:
+        chosen["osprey-schedule"] = drafts["osprey-schedule"]["num_speculative_tokens"]
     bench_ids = encode(bench_prompts, tokenizer)
     results = bench(args, drafts, target_dir, bench_ids, chosen)
     profiles = profile(args, drafts, target_dir, bench_ids, chosen)
@@ -290,7 +365,17 @@ def main(argv=None) -> int:
         "num_tune_prompts": len(tune_prompts),
         "tune_prompt_categories": [p.category for p in tune_prompts],
         "drafts": {**args.drafters, "draft-model": args.sps},
+        "engine": "multi-process (vLLM's default)",
         "ngram": NGRAM_LOOKUP,
+        "concurrency": args.concurrency,
+        "methods": args.methods,
+        "schedule": {
+            "num_speculative_tokens_per_batch_size": drafts.get("osprey-schedule", {}).get(
+                "num_speculative_tokens_per_batch_size"
+            ),
+            "from": args.schedule or "the Osprey export's speculative_config.json (osprey.vllm_schedule's default)",
+        },
+        "cpu_settings": engine_env(args),
         "tuning": tuning,
         "chosen": chosen,
         "records": records_of(results, chosen),
