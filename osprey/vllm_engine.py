@@ -15,7 +15,8 @@ default is vLLM's own multi-process engine, what a server runs). In-process, a p
 the draft length of every step whatever the batch (the engine must start with a
 `num_speculative_tokens_per_batch_size`, so that vLLM reads its per-step lookup), and `"timers": true` wraps both
 models' forwards in wall-clock timers and records each engine step: the tokens of the target's forward, its seconds,
-the drafter's calls and seconds, the step's wall time.
+the drafter's calls and seconds, the step's wall time. `"skip_tokenizer_init": true` serves a target saved without a
+tokenizer (outputs are token ids either way).
 """
 
 import json
@@ -122,10 +123,13 @@ def main(job_path: str) -> None:
         seed=0,
         disable_log_stats=False,
         speculative_config=job.get("speculative_config"),
+        skip_tokenizer_init=job.get("skip_tokenizer_init", False),
     )
     engine_seconds = time.perf_counter() - started
     prompts = job["prompts"]
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    detokenize = not job.get("skip_tokenizer_init", False)
+    warm_up = SamplingParams(temperature=0.0, max_tokens=8, detokenize=detokenize)
+    llm.generate([{"prompt_token_ids": prompts[0]}], warm_up, use_tqdm=False)
     timers = bool(job.get("timers"))
     if timers:
         llm.collective_rpc(install_timers)
@@ -135,6 +139,7 @@ def main(job_path: str) -> None:
             set_num_speculative_tokens(llm, phase["num_speculative_tokens"])
         params = SamplingParams(
             temperature=0.0,
+            detokenize=detokenize,
             max_tokens=phase.get("max_tokens", job["max_tokens"]),
             ignore_eos=phase.get("ignore_eos", job.get("ignore_eos", False)),
         )
