@@ -3,8 +3,9 @@
 vLLM pins an older transformers than osprey, so it lives in its own environment (`.venv-vllm`, or the interpreter in
 `OSPREY_VLLM_PYTHON`), made as the README says. Each engine runs there as a subprocess (`tests/vllm_engine.py`), in
 float32 with greedy sampling, on tiny random targets saved as safetensors; what it returns is checked here against
-`OspreyForDrafting` and the target in transformers. Without that environment these tests are skipped, except in CI
-(`CI` set), where they fail.
+`OspreyForDrafting` and the target in transformers; so does one process that makes the V2 model runner's calls on
+the drafter outside an engine (`tests/vllm_v2_calls.py`). Without that environment these tests are skipped, except in
+CI (`CI` set), where they fail.
 """
 
 import json
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_tiny_target
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
+from transformers import DynamicCache
 
 from modeling_osprey.target_features import TargetFeatureCapture
 from osprey import OspreyConfig, OspreyForDrafting
@@ -26,6 +28,7 @@ from osprey.export import VLLM, export_drafter
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_SCRIPT = Path(__file__).resolve().parent / "vllm_engine.py"
+V2_CALLS_SCRIPT = Path(__file__).resolve().parent / "vllm_v2_calls.py"
 VLLM_PYTHON = Path(os.environ.get("OSPREY_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 # vLLM's CPU attention takes head sizes of 32 and up.
 TARGET_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "head_dim": 32}
@@ -219,13 +222,17 @@ def test_vllm_greedy_output_with_an_osprey_drafter_is_the_target_alone(served):
 
 @torch.no_grad()
 def test_a_drafter_that_agrees_with_the_target_is_accepted(vllm_python, workdir):
+    """Run in vLLM's default engine (a separate engine-core process, as `vllm serve` runs it), where the tests with
+    hooks on the worker cannot run: the served drafter's greedy output is the target's, and its drafts are accepted."""
     directory = workdir / "copying"
     target = save_target("qwen2", directory / "target", zero_block_outputs=True)
     lengths = {}
     for residual_stream in ("tokens", "features"):
         exported = export(copying_drafter(target, residual_stream), directory / residual_stream, directory / "target")
         name = f"copying-{residual_stream}"
-        result = succeeded(run_engine(vllm_python, workdir, name, target=directory / "target", drafter=exported))
+        result = succeeded(
+            run_engine(vllm_python, workdir, name, target=directory / "target", drafter=exported, multiprocessing=True)
+        )
         lengths[residual_stream] = result["acceptance_length"]
         for prompt, output in zip(PROMPTS, result["outputs"]):  # lossless whether drafts are accepted or not
             generated = target.generate(
@@ -365,16 +372,72 @@ def test_vllm_accepts_at_every_draft_position_what_osprey_decoding_accepts(vllm_
         assert served_broken == expected_broken, control
 
 
+@torch.no_grad()
+def test_vllm_v2_runner_calls_compute_what_osprey_drafting_computes(vllm_python, workdir):
+    """The plugin's drafter, called as vLLM's V2 model runner calls an EAGLE-3 drafter (tests/vllm_v2_calls.py:
+    `combine_hidden_states`, then `model(input_ids=, positions=, hidden_states=, inputs_embeds=)`, `compute_logits`,
+    the pre-norm state fed back at the next position), computes the logits `OspreyForDrafting` computes with the same
+    weights on a first draft step (every position) and on the second and third. V2 is vLLM's runner on GPUs; vLLM's
+    CPU build runs V1, so this drives V2's calls outside an engine (with a dense attention in place of vLLM's paged
+    one, whose kernels the engine tests cover)."""
+    directory = workdir / "v2-calls"
+    target = save_target("qwen2", directory / "target")
+    drafter = random_drafter("qwen2")
+    exported = export(drafter, directory, directory / "target")
+    prompt = PROMPTS[0]
+    with TargetFeatureCapture(target, TAPS) as capture:
+        target(torch.tensor([prompt]))
+    taps = capture.features[0]
+    input_ids = torch.tensor(prompt[1:] + [42])  # the first draft step reads the next tokens (EAGLE's convention)
+    job = {"input_ids": input_ids, "positions": torch.arange(len(prompt))}
+    job |= {f"aux_{i}": tap.contiguous() for i, tap in enumerate(taps.chunk(len(TAPS), dim=-1))}
+    save_file(job, directory / "job.safetensors")
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    command = [str(vllm_python), str(V2_CALLS_SCRIPT), str(directory / "job.safetensors"), str(directory / "target")]
+    command += [str(exported), str(directory / "out.safetensors")]
+    process = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert process.returncode == 0, process.stdout[-5000:] + process.stderr[-20000:]
+    served = load_file(directory / "out.safetensors")
+
+    def to_target_vocabulary(draft_logits):
+        logits = draft_logits.new_full((draft_logits.shape[0], drafter.config.vocab_size), float("-inf"))
+        logits[:, drafter.draft_to_target] = draft_logits
+        return logits
+
+    cache = DynamicCache()
+    outputs = drafter(input_ids[None], target_hidden_states=taps[None], cache=cache, use_cache=True)
+    torch.testing.assert_close(served["logits_1"], to_target_vocabulary(outputs.logits[0]), atol=1e-4, rtol=1e-4)
+    for step in (2, 3):
+        token = served[f"token_{step - 1}"]
+        assert token.tolist() == [int(to_target_vocabulary(outputs.logits[0, -1:]).argmax())]
+        # Osprey's later draft step: the drafted token (a target-vocabulary id) and the fed-back pre-norm state.
+        outputs = drafter(
+            token[None], draft_hidden_states=outputs.prenorm_hidden_states[:, -1:], cache=cache, use_cache=True
+        )
+        torch.testing.assert_close(
+            served[f"logits_{step}"], to_target_vocabulary(outputs.logits[0]), atol=1e-4, rtol=1e-4
+        )
+
+
 def test_a_drafter_for_another_target_is_refused(vllm_python, workdir):
+    """In vLLM's default engine (a separate engine-core process, as `vllm serve` runs it), a drafter that does not fit
+    the target stops the engine at start with the plugin's message, which names every mismatch at once and the fix."""
     directory = workdir / "mismatch"
     save_target("qwen2", directory / "target")
-    # Converted for a target 96 wide, then served with one 128 wide (exported without --target, which would refuse it).
-    drafter = random_drafter("qwen2", target_hidden_size=96)
+    # Converted for another target: 96 wide, a vocabulary of 300 tokens, and a tap on block 8, one past the last of
+    # this target's 8 blocks (vLLM collects no state there). Exported without --target, which would refuse it.
+    drafter = random_drafter("qwen2", target_hidden_size=96, vocab_size=300, target_layer_ids=[1, 3, 8])
     drafter.save_pretrained(directory / "drafter")
     exported = export_drafter(directory / "drafter", VLLM, directory / "drafter-vllm")
-    result, process = run_engine(vllm_python, workdir, "mismatch", target=directory / "target", drafter=exported)
+    result, process = run_engine(
+        vllm_python, workdir, "mismatch", target=directory / "target", drafter=exported, multiprocessing=True
+    )
     assert process.returncode != 0 and not result
-    assert "hidden size 128 (the drafter's fc reads 96)" in process.stderr + process.stdout
+    output = process.stderr + process.stdout
+    assert "hidden size 128 (the drafter's fc reads 96)" in output
+    assert "a vocabulary of 256 tokens (the drafter's: 300)" in output
+    assert "8 decoder layers (the drafter taps the outputs of blocks [1, 3, 8]; this target has blocks 0 to 7" in output
+    assert "Serve it with the target it was converted for, or convert and distill a drafter for this target" in output
 
 
 def test_export_refuses_a_target_the_drafter_does_not_fit(tmp_path):

@@ -14,6 +14,10 @@ script generates greedily in float32 with the target's tokenizer skipped, and wr
   purpose inside vLLM's worker (`CONTROLS`; test hooks, never used in serving), in `result["controls"][NAME]`
   (outputs and the spec-decode counters of that pass alone).
 
+The engine core and its worker run in this process, so that `collective_rpc` may ship the hooks above as plain
+functions; with `"multiprocessing": true` (no `record`, no `controls`) they run in vLLM's default engine instead, a
+separate engine-core process, as `vllm serve` and `LLM` run them.
+
 Errors (e.g. a drafter that does not fit the target) propagate: the script exits non-zero with vLLM's traceback.
 """
 
@@ -22,8 +26,6 @@ import os
 import sys
 from pathlib import Path
 
-# One process: the engine core and the worker run here, so `collective_rpc` may ship plain functions.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
@@ -107,12 +109,17 @@ def generate(llm, prompts, params) -> list[list[int]]:
 
 
 def main(job_path: str) -> None:
+    job_path = Path(job_path)
+    job = json.loads(job_path.read_text())
+    if job.get("multiprocessing"):
+        if job.get("record") or job.get("controls"):
+            raise ValueError("`record` and `controls` hook the worker, which needs the one-process engine.")
+    else:  # set before vLLM is imported
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from osprey_vllm.metrics import acceptance_length, counters_between, spec_decode_counters
     from safetensors.torch import save_file
     from vllm import LLM, SamplingParams
 
-    job_path = Path(job_path)
-    job = json.loads(job_path.read_text())
     speculative_config = None
     if job.get("drafter"):
         speculative_config = {
