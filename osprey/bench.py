@@ -11,10 +11,11 @@ token); the prefill is not a step. For `generate` methods the steps are read off
 each call its KV cache holds every decided token but the last, so consecutive calls show what each one decided.
 Forward hooks also time the target's prefill and verification calls and the drafter's calls; the rest is overhead.
 
-Greedy outputs that differ from the target alone's are labelled after the run (`label_divergences`): "near tie" when
-the target's float32 margin at the first differing token is within what rounding in the run's dtype can move it,
-"UNEXPLAINED" otherwise, which makes `osprey bench` exit with status 1; so does a difference left "not checked"
-(the target did not fit in float32) unless `--allow-unchecked` is passed. A difference to label in results saved
+Greedy outputs that differ from the target alone's are labelled after the run (`label_divergences`) by an exact
+replay of the verification forward that decided the first differing token (`osprey.near_tie.replay`): "rounding
+(shape-dependent)" when the token is that forward's argmax and its logits agree with a clean forward's within
+rounding, "UNEXPLAINED" otherwise, which makes `osprey bench` exit with status 1; so does a difference left "not
+checked" unless `--allow-unchecked` is passed. A difference to label in results saved
 before the bench kept token ids is refused: `benchmarks/numerics/label_differences.py` labels those.
 
 Results are saved after every request; re-running with the same `--output` skips the requests already there.
@@ -24,9 +25,9 @@ import hashlib
 import json
 import os
 import time
-import warnings
 import zlib
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,8 +37,6 @@ from modeling_osprey.decoding_osprey import default_tree_size
 from modeling_osprey.generation_osprey import DRAFTING_SETTINGS
 
 from .bench_report import (
-    ALLOW_UNCHECKED_FLAG,
-    UNCHECKED,
     add_allow_unchecked_argument,
     exit_status,
     save_report,
@@ -45,7 +44,7 @@ from .bench_report import (
 )
 from .bench_suites import CORPUS_SUITES, SUITES, BenchPrompt, load_suite, select_subset
 from .decode import add_decoding_arguments, encode_prompt, speculative_generate, target_generate
-from .near_tie import explain, first_divergence, upcast
+from .near_tie import float32_margin, replay, upcast
 from .pack import custom_generate_folder, load_drafter
 
 RESULTS_FORMAT = 1
@@ -231,15 +230,19 @@ def steps_from_target_calls(calls, prompt_length: int, final_length: int) -> tup
     return accepted, drafted
 
 
+def request_seed(settings: BenchSettings, prompt: BenchPrompt) -> int:
+    """The seed a request decodes with (sampling, and any randomness of a method), the same in every run."""
+    return settings.seed + zlib.crc32(f"{prompt.suite}/{prompt.category}/{prompt.prompt_id}".encode())
+
+
 def run_request(target, tokenizer, method: BenchMethod, prompt: BenchPrompt, settings: BenchSettings) -> dict:
     """Decodes one prompt with one method; the request's row of the results."""
     input_ids = encode_prompt(tokenizer, prompt.text, settings.chat_template).to(target.device)
-    request_seed = settings.seed + zlib.crc32(f"{prompt.suite}/{prompt.category}/{prompt.prompt_id}".encode())
     eos_token_id = target.generation_config.eos_token_id
     with ForwardRecorder(target) as target_calls, ForwardRecorder(method.draft_model) as draft_calls:
         _synchronize(input_ids.device)
         start = time.perf_counter()
-        output, stats = method.generate(target, input_ids, settings, eos_token_id, request_seed)
+        output, stats = method.generate(target, input_ids, settings, eos_token_id, request_seed(settings, prompt))
         _synchronize(input_ids.device)
         wall_time_s = time.perf_counter() - start
     if stats is not None:
@@ -382,54 +385,65 @@ def run_benchmark(
             warmed.add(method.name)
         results["requests"].append(run_request(target, tokenizer, method, prompt, settings))
         _save(results, output_path)
-    label_divergences(target, tokenizer, results, prompts)
+    label_divergences(target, tokenizer, results, prompts, methods)
     _save(results, output_path)
     return results
 
 
-def label_divergences(target, tokenizer, results: dict, prompts: list[BenchPrompt]) -> None:
+def label_divergences(target, tokenizer, results: dict, prompts: list[BenchPrompt], methods: list[BenchMethod]) -> None:
     """Gives every greedy request whose output differs from the target alone's on the same prompt its `divergence`
-    (`osprey.near_tie`: the first differing new token, the float32 margin there and the rounding bound, "near tie" or
-    "UNEXPLAINED"), and equal ones `divergence: None`. One float32 pass over the target for all of them. Requests
-    already labelled are skipped, and so are those whose prompt is not in `prompts`. A differing request, or its
-    target-alone reference, saved without token ids (`output_ids`: results saved before the bench kept them) is
-    refused (`check_output_ids`)."""
+    (`osprey.near_tie.replay`: the method decodes that prompt again, the verification forward that decided the first
+    differing token is checked, "rounding (shape-dependent)" or "UNEXPLAINED"), and equal ones `divergence: None`.
+    Then, as information, the target's float32 margin there (one float32 pass for all; skipped where the target does
+    not fit in float32). Requests already labelled are skipped, and so are those whose prompt is not in `prompts` or
+    whose method is not in `methods` (left "not checked"). A differing request, or its target-alone reference, saved
+    without token ids (`output_ids`: results saved before the bench kept them) is refused (`check_output_ids`)."""
     baseline = next((name for name, spec in results["methods"].items() if spec == "target"), None)
     if baseline is None or results["settings"]["do_sample"]:
         return
     references = {_request_key(row)[1:]: row for row in results["requests"] if row["method"] == baseline}
-    texts = {(prompt.suite, prompt.category, prompt.prompt_id): prompt.text for prompt in prompts}
+    by_key = {(prompt.suite, prompt.category, prompt.prompt_id): prompt for prompt in prompts}
+    by_name = {method.name: method for method in methods}
     differing = []
     for row in results["requests"]:
         key = _request_key(row)[1:]
-        if row["method"] == baseline or "divergence" in row or key not in references or key not in texts:
+        if row["method"] == baseline or "divergence" in row or key not in references or key not in by_key:
             continue
         if row["output_sha256"] == references[key]["output_sha256"]:
             row["divergence"] = None
-            continue
-        differing.append((row, key))
+        elif row["method"] in by_name:
+            differing.append((row, key))
     if not differing:
         return
     check_output_ids([row for pair in differing for row in (pair[0], references[pair[1]])], "These results")
-    dtype = next(target.parameters()).dtype
-    explained = {}  # methods often leave the target's output at the same token: one forward for all of them
+    settings = BenchSettings(**saved_settings(results))
+    eos_token_id = target.generation_config.eos_token_id
+    found = []
+    for row, key in differing:
+        method, prompt = by_name[row["method"]], by_key[key]
+        prompt_ids = encode_prompt(tokenizer, prompt.text, settings.chat_template).to(target.device)
+        seed = request_seed(settings, prompt)
+        divergence = replay(
+            target,
+            partial(_sequence, method, target, prompt_ids, settings, eos_token_id, seed),
+            prompt_ids,
+            references[key]["output_ids"],
+            row["output_ids"],
+        )
+        found.append((row, prompt_ids, references[key]["output_ids"], divergence))
+    margins = {}  # information only: a target too large for float32 on this device goes without
     try:
         with upcast(target):
-            for row, key in differing:
-                output, reference = row["output_ids"], references[key]["output_ids"]
-                position = first_divergence(reference, output)
-                same = (key, position, tuple(reference[: position + 1]), tuple(output[: position + 1]))
-                if same not in explained:
-                    prompt_ids = encode_prompt(tokenizer, texts[key], results["settings"]["chat_template"])
-                    explained[same] = explain(target, prompt_ids, reference, output, dtype).to_dict()
-                row["divergence"] = explained[same]
-    except torch.OutOfMemoryError:  # a large target in float32 may not fit an accelerator; the run's results stand
-        warnings.warn(
-            f"Not enough device memory to run the target in float32, so differing outputs are left unlabelled "
-            f"('{UNCHECKED}', which fails the run unless {ALLOW_UNCHECKED_FLAG}): label them on a larger device with "
-            f"{LABEL_SCRIPT}.",
-            stacklevel=2,
-        )
+            for row, prompt_ids, reference, _ in found:
+                margins[id(row)] = float32_margin(target, prompt_ids, reference, row["output_ids"])
+    except torch.OutOfMemoryError:
+        pass
+    for row, _, _, divergence in found:
+        row["divergence"] = replace(divergence, margin=margins.get(id(row))).to_dict()
+
+
+def _sequence(method: BenchMethod, *args) -> torch.LongTensor:
+    return method.generate(*args)[0]
 
 
 def check_output_ids(rows: list[dict], source: str) -> None:

@@ -20,9 +20,9 @@ from allowlist import PAGE_SETTINGS, ModelCatalog
 from transformers.generation.streamers import BaseStreamer
 
 from modeling_osprey.generation_osprey import DRAFTING_SETTINGS
-from osprey.bench_report import UNCHECKED, fails
+from osprey.bench_report import fails
 from osprey.decode import SpeculativeStats, encode_prompt, speculative_generate, target_generate
-from osprey.near_tie import UNEXPLAINED, explain, first_divergence, upcast
+from osprey.near_tie import first_divergence, replay
 from osprey.pack import custom_generate_folder
 
 APP_DIR = Path(__file__).resolve().parent
@@ -390,27 +390,30 @@ class _StepStreamer(BaseStreamer):
         pass
 
 
+def _osprey_decode(request: _Request, emit) -> tuple[torch.LongTensor, SpeculativeStats]:
+    """Osprey's decoding of the request by its route, each step sent to `emit`: the full sequence and its stats. The
+    same call decodes again, exactly, when a difference is replayed (`difference_note`)."""
+    if request.route == "custom":
+        return _custom_generate(request, emit)
+    target = request.target
+    return speculative_generate(
+        target,
+        request.drafter,
+        request.input_ids,
+        max_new_tokens=request.max_new_tokens,
+        eos_token_id=target.generation_config.eos_token_id,
+        generator=torch.Generator(target.device).manual_seed(0),
+        on_tokens=lambda tokens, accepted: emit((tokens, None, None)) if accepted is None else None,
+        on_step=lambda step: emit((step.emitted, step.accepted, step)),
+        **request.drafting,
+        **request.sampling,
+    )
+
+
 def _stream_osprey(request: _Request):
     """Yields the full output row after each verification step; returns the final segments and the run's stats."""
-    target, start = request.target, time.perf_counter()
-    generator = torch.Generator(target.device).manual_seed(0)
-    job = BackgroundJob(
-        (lambda emit: _custom_generate(request, emit))
-        if request.route == "custom"
-        else lambda emit: speculative_generate(
-            target,
-            request.drafter,
-            request.input_ids,
-            max_new_tokens=request.max_new_tokens,
-            eos_token_id=target.generation_config.eos_token_id,
-            generator=generator,
-            on_tokens=lambda tokens, accepted: emit((tokens, None, None)) if accepted is None else None,
-            on_step=lambda step: emit((step.emitted, step.accepted, step)),
-            **request.drafting,
-            **request.sampling,
-        ),
-        request.lock,
-    )
+    start = time.perf_counter()
+    job = BackgroundJob(lambda emit: _osprey_decode(request, emit), request.lock)
     text, decided, steps, tree = SegmentedText(request.tokenizer), 0, 0, ""
     for tokens, accepted, step in _reporting_errors(job):
         tokens = tokens[0].tolist()
@@ -432,22 +435,18 @@ def _stream_osprey(request: _Request):
 
 def difference_note(request: _Request, osprey_ids: list[int], target_ids: list[int]) -> str:
     """For a greedy run whose output differs from the target alone's: where, and whether rounding explains it
-    (`osprey.near_tie`: the target's float32 margin at the first differing token against the bound for its dtype).
-    A difference the check cannot examine (the target does not fit in float32 on this device) is "not checked", which
-    the page reports as failing like UNEXPLAINED (`osprey.bench_report.fails`). Empty when the outputs are equal or
+    (`osprey.near_tie.replay`: Osprey decodes again, and the verification forward that decided the first differing
+    token must have chosen it and agree with a clean forward within rounding). Empty when the outputs are equal or
     when sampling (where they differ by design)."""
-    position = first_divergence(target_ids, osprey_ids)
-    if request.temperature > 0 or position is None:
+    if request.temperature > 0 or first_divergence(target_ids, osprey_ids) is None:
         return ""
-    dtype = next(request.target.parameters()).dtype
-    try:
-        with request.lock, upcast(request.target):
-            divergence = explain(request.target, request.input_ids, target_ids, osprey_ids, dtype)
-    except torch.OutOfMemoryError:  # upcast has put the target back as it was
-        return (
-            f"<p><b>The outputs differ from new token {position}</b>, {UNCHECKED}: the target does not fit in float32 "
-            "here to check whether rounding explains it, so the output is not vouched for (a failure, like "
-            f"{UNEXPLAINED}).</p>"
+    with request.lock:
+        divergence = replay(
+            request.target,
+            lambda: _osprey_decode(request, lambda item: None)[0],
+            request.input_ids,
+            target_ids,
+            osprey_ids,
         )
     if not fails(divergence.label):
         reading = (
@@ -455,12 +454,10 @@ def difference_note(request: _Request, osprey_ids: list[int], target_ids: list[i
             "differently from a one-token step), not a drafting error"
         )
     else:
-        reading = f"{UNEXPLAINED}: more than rounding can move, a decoding bug (please report it)"
+        reading = "a decoding bug (please report it)"
     return (
-        f"<p><b>The outputs differ from new token {divergence.position}</b> (the target's float32 margin there "
-        f"{divergence.margin:.3f}, rounding bound {divergence.bound:.3f}): {reading}.</p>"
-        if divergence.margin is not None
-        else f"<p><b>The outputs differ</b>: {html.escape(divergence.describe())}.</p>"
+        f"<p><b>The outputs differ from new token {divergence.position}</b>: {reading}. "
+        f"{html.escape(divergence.describe())}.</p>"
     )
 
 

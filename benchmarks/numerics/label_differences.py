@@ -1,7 +1,9 @@
 """Labels the differing outputs of saved `osprey bench` results: each request whose greedy output differs from the
-target alone's gets its `divergence` (`osprey.near_tie`: first differing token, float32 margin, rounding bound, "near
-tie" or "UNEXPLAINED"), as a run labels its own since the bench saves token ids; the JSON and its `.md` table are
-rewritten.
+target alone's gets its `divergence` (`osprey.near_tie.replay`: the method decodes that prompt again and the
+verification forward that decided the first differing token is checked, "rounding (shape-dependent)" or
+"UNEXPLAINED"), as a run labels its own; the JSON and its `.md` table are rewritten. Each method is loaded again from
+the spec the results name (its drafter folder, `--dtype`, the run's settings); a method that cannot be loaded leaves
+its differences "not checked".
 
 Results saved before token ids were kept (whose differences `osprey bench` refuses to label) have their ids rebuilt
 from each completion, checked against its saved `output_sha256` (`old_results.py`, beside this script); where the
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 from old_results import label_divergences_rebuilding_ids, output_token_ids
 
-from osprey.bench import output_sha256, summarize
+from osprey.bench import load_method, output_sha256, summarize
 from osprey.bench_report import (
     add_allow_unchecked_argument,
     difference_label,
@@ -82,6 +84,22 @@ def redecode_references(target, tokenizer, results: dict, prompts: list, eos_ids
     return failed
 
 
+def load_methods(results: dict, tokenizer, dtype: torch.dtype) -> list:
+    """The results' methods other than the target alone, as they ran (their own settings included), to replay their
+    differences; one whose drafter or model cannot be loaded here is left out, saying why."""
+    methods = []
+    own = results.get("method_settings", {})
+    quantization = results["settings"].get("drafter_quantization", "none")
+    for name, spec in results["methods"].items():
+        if spec == "target":
+            continue
+        try:
+            methods.append(load_method(name, spec, tokenizer, dtype, "cpu", quantization, own.get(name, {})))
+        except (OSError, ValueError) as error:
+            print(f"{name} ({spec}) cannot be loaded, so its differences stay unchecked: {error}", file=sys.stderr)
+    return methods
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+", type=Path, help="`osprey bench` results JSON files")
@@ -111,7 +129,8 @@ def main() -> int:
                 row.pop("divergence", None)
         prompts = prompts_for(results, args.prompts, args.data_dir)
         unreproduced = redecode_references(target, tokenizer, results, prompts, eos_ids)
-        label_divergences_rebuilding_ids(target, tokenizer, results, prompts, eos_ids)
+        methods = load_methods(results, tokenizer, getattr(torch, dtype))
+        label_divergences_rebuilding_ids(target, tokenizer, results, prompts, eos_ids, methods)
         results["records"] = summarize(results)
         path.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
         if path.with_suffix(".md").exists():  # the table, rewritten from the JSON (the plots are left as they are)

@@ -1,4 +1,6 @@
-"""Does `osprey.near_tie.rounding_bound` hold for a real target? How far bf16 decoding moves top-2 logit margins.
+"""Does `rounding_bound` hold for a real target? How far bf16 decoding moves top-2 logit margins.
+
+`rounding_bound` is the statistical bound `osprey.near_tie` judged differences by before its exact replay.
 
 For each held-out prompt the target decodes greedily in bf16 (one row per forward, `generate`). Then, for every
 decoded position, the float32 top-2 gap g = z[best] - z[second] (the same weights upcast) is compared with the same
@@ -22,8 +24,34 @@ from transformers import DynamicCache
 
 from osprey.bench_suites import load_suite
 from osprey.decode import encode_prompt, target_generate
-from osprey.near_tie import SIGMAS, UNIT_ROUNDOFF, rounding_bound, upcast
+from osprey.near_tie import UNIT_ROUNDOFF, upcast
 from osprey.zoo import load_causal_lm, load_tokenizer
+
+# Standard deviations of the accumulated hidden-state rounding the bound allows (see `rounding_bound`).
+SIGMAS = 6.0
+
+
+def rounding_bound(logits, head_input, head_weight, best: int, other: int, dtype: torch.dtype, num_layers: int):
+    """The most the logit gap z[best] - z[other] of a forward in `dtype` can differ from float32's, in float32 logits.
+
+    Derivation (u: the dtype's unit roundoff, 2^-8 for bf16). The gap is g = (w_best - w_other) . h, with h the LM
+    head's input (width d) and w its rows. Two roundings move it:
+    1. The logits themselves are stored in `dtype`: each is off by at most u |z|, so g by at most u (|z_best| +
+       |z_other|).
+    2. The hidden state is rounded wherever the residual stream is stored: after each of the 2L sublayer additions
+       and after the final norm, 2L + 1 roundings of every component, each a relative error uniform in [-u, u]
+       (standard deviation u / sqrt(3)). Taken as independent and each as large as relative to h itself (the
+       residual stream grows with depth, so earlier ones are smaller), the relative error of h_j has standard
+       deviation u sqrt((2L + 1) / 3), and g's error, a sum over d components, has standard deviation
+       u sqrt((2L + 1) / 3) * sqrt(sum_j (h_j (w_best,j - w_other,j))^2), which grows as sqrt(d) with the width.
+       `SIGMAS` (6) of it bound it.
+    The model leaves out how a perturbation is amplified by the later sublayers that read it;
+    `main` measures real bf16 margins against the bound to check it holds."""
+    u = UNIT_ROUNDOFF[dtype]
+    stored = u * (abs(float(logits[best])) + abs(float(logits[other])))
+    spread = (head_input.float() * (head_weight[best].float() - head_weight[other].float())).norm()
+    accumulated = SIGMAS * u * math.sqrt((2 * num_layers + 1) / 3) * float(spread)
+    return stored + accumulated
 
 
 @torch.no_grad()

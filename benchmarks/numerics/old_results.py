@@ -42,12 +42,15 @@ def _key(row: dict) -> tuple[str, str, str]:
     return row["suite"], row["category"], row["prompt_id"]
 
 
-def label_divergences_rebuilding_ids(target, tokenizer, results: dict, prompts: list, eos_ids: list[int]) -> None:
+def label_divergences_rebuilding_ids(
+    target, tokenizer, results: dict, prompts: list, eos_ids: list[int], methods: list
+) -> None:
     """`osprey.bench.label_divergences` for results that may hold requests saved without `output_ids`: it labels
     copies of the requests with their ids rebuilt (`output_token_ids`, the target alone's guided by the differing
     output where they cannot be rebuilt alone) and gives each request its copy's label; the saved requests keep their
-    fields otherwise. A differing request whose ids, or whose target-alone reference's, cannot be rebuilt is left
-    unlabelled ("not checked")."""
+    fields otherwise. `methods` (`osprey.bench.BenchMethod`s) replay the differences; a differing request whose ids,
+    or whose target-alone reference's, cannot be rebuilt, or whose method is not among them, is left unlabelled ("not
+    checked")."""
     baseline = next((name for name, spec in results["methods"].items() if spec == "target"), None)
     references = {_key(row): row for row in results["requests"] if row["method"] == baseline}
     texts = {(prompt.suite, prompt.category, prompt.prompt_id) for prompt in prompts}
@@ -66,7 +69,7 @@ def label_divergences_rebuilding_ids(target, tokenizer, results: dict, prompts: 
             del copies[id(row)]  # left out: unlabelled
             continue
         copies[id(row)]["output_ids"], copies[id(reference)]["output_ids"] = ids, reference_ids
-    label_divergences(target, tokenizer, results | {"requests": list(copies.values())}, prompts)
+    label_divergences(target, tokenizer, results | {"requests": list(copies.values())}, prompts, methods)
     for row in results["requests"]:
         if id(row) in copies and "divergence" in copies[id(row)]:
             row["divergence"] = copies[id(row)]["divergence"]
