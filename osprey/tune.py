@@ -8,7 +8,8 @@ measures what `osprey.vllm_schedule.derive_schedule` needs:
 
 - the engine step's cost when the target's forward carries T tokens (everything but the drafter's forwards), at
   every batch size B of 1, 2, 4, ... up to `--max-batch-size` and every K of 0..`--num-draft-tokens` (T = B(1 + K);
-  `--max-new-tokens`/2 tokens per request, end of turn ignored so the batch stays full);
+  two rounds through that grid of `--max-new-tokens`/8 tokens per request, at least 8, end of turn ignored so the
+  batch stays full); a step that costs less with more tokens is reported (the machine's load changed: rerun);
 - the drafter's seconds per forward at each batch size;
 - the drafter's acceptance per position (vLLM's `num_accepted_tokens_per_pos`) at K = `--num-draft-tokens`, one
   request at a time, on `--num-prompts` chat prompts (default: the demo's six, several languages; `--prompts` takes
@@ -19,7 +20,8 @@ the derived `num_speculative_tokens_per_batch_size`), DIR/tune.json (the measure
 batch size and K, the settings) and, for a drafter in Osprey's format, its export (`--format vllm`) in DIR/drafter-vllm.
 Serve with the line it prints; `osprey export --format vllm --schedule DIR` writes the same schedule beside another
 export. The engine runs in-process for the timers, so a multi-process server's own overhead (its engine core and
-worker in their own processes) is not in the costs. About 5 minutes for a 1.5B target on 2 CPU cores.
+worker in their own processes) is not in the costs. For a 1.5B target on 2 CPU cores: an engine start, about 3 to 5
+minutes of cost phases, and 1 to 2 minutes of acceptance (more on a busy machine).
 """
 
 import argparse
@@ -27,6 +29,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 from . import zoo
@@ -46,6 +49,12 @@ from .vllm_schedule import (
 
 ENGINE_SCRIPT = Path(__file__).resolve().with_name("vllm_engine.py")
 ENGINES = ("vllm",)
+# Every batch size and K is measured in this many short rounds, one after another through the grid, so that a spell
+# of load from another process falls on several settings instead of all the steps of one.
+COST_ROUNDS = 2
+# A step carrying more target tokens that costs less than this share of a step carrying fewer means the machine's load
+# changed during the measurement.
+MONOTONE_TOLERANCE = 0.8
 
 
 def find_vllm_python() -> Path:
@@ -97,9 +106,10 @@ def batch_sizes(max_batch_size: int) -> list[int]:
 
 
 def tune_job(target_dir: str, drafter_dir: str, prompt_ids: list, settings: dict) -> dict:
-    """The engine job: cost phases (each batch size at each K) and the acceptance phase (K max, one at a time)."""
+    """The engine job: cost phases (each batch size at each K, `COST_ROUNDS` rounds) and the acceptance phase (K max,
+    one request at a time)."""
     k_max, max_batch = settings["num_draft_tokens"], settings["max_batch_size"]
-    cost_tokens = settings["max_new_tokens"] // 2
+    cost_tokens = max(8, settings["max_new_tokens"] // (4 * COST_ROUNDS))
     phases = [
         {
             "concurrency": size,
@@ -108,6 +118,7 @@ def tune_job(target_dir: str, drafter_dir: str, prompt_ids: list, settings: dict
             "max_tokens": cost_tokens,
             "ignore_eos": True,
         }
+        for _ in range(COST_ROUNDS)
         for k in range(k_max + 1)
         for size in batch_sizes(max_batch)
     ]
@@ -149,8 +160,16 @@ def measurements(result: dict, num_prompts: int) -> dict:
     if not target_samples or not drafter_samples or acceptance_phase is None:
         raise RuntimeError("The engine ran no steady decoding step: raise --max-new-tokens.")
     counters = acceptance_phase["spec_decode"]
+    costs = {t: statistics.median(v) for t, v in sorted(target_samples.items())}
+    tokens = list(costs)
+    unsteady = [
+        f"{costs[fewer]:.3g} s at {fewer} tokens, {costs[more]:.3g} s at {more}"
+        for fewer, more in zip(tokens, tokens[1:])
+        if costs[more] < MONOTONE_TOLERANCE * costs[fewer]
+    ]
     return {
-        "target_step_seconds": {t: statistics.median(v) for t, v in sorted(target_samples.items())},
+        "target_step_seconds": costs,
+        "unsteady_costs": unsteady,
         "drafter_step_seconds": {b: statistics.median(v) for b, v in sorted(drafter_samples.items())},
         "target_step_samples": {t: len(v) for t, v in sorted(target_samples.items())},
         "acceptance": conditional_acceptance(counters["num_accepted_tokens_per_pos"], counters["num_drafts"]),
@@ -184,14 +203,15 @@ def tune_vllm(
         raise ValueError(f"--num-draft-tokens must be at least 1, not {num_draft_tokens}.")
     if num_prompts < 1 or max_new_tokens < 8:
         raise ValueError("--num-prompts must be at least 1 and --max-new-tokens at least 8.")
+    batch_sizes(max_batch_size)
     vllm_python = find_vllm_python()
     output = require_empty_output_dir(output)
-    output.mkdir(parents=True, exist_ok=True)
     target_dir = str(zoo.resolve_model_path(target))
-    drafter_dir = vllm_drafter(drafter, output, target)
     tokenizer = zoo.load_tokenizer(target)
     chosen = [p for name in prompts for p in load_suite(name)] if prompts else list(DEMO_PROMPTS)
     prompt_ids = [encode_prompt(tokenizer, p.text)[0].tolist() for p in chosen[:num_prompts]]
+    output.mkdir(parents=True, exist_ok=True)
+    drafter_dir = vllm_drafter(drafter, output, target)
     settings = {
         "engine": "vllm",
         "max_batch_size": max_batch_size,
@@ -204,6 +224,13 @@ def tune_vllm(
     print(f"[osprey tune] measuring {target} with {drafter_dir} in vLLM ({vllm_python}); log in {output}/engine.log")
     result = run_engine(job, output / "engine.json", vllm_python)
     measured = measurements(result, len(prompt_ids))
+    if measured["unsteady_costs"]:
+        print(
+            "[osprey tune] warning: a step cost less with more tokens ("
+            + "; ".join(measured["unsteady_costs"])
+            + "): the machine's load changed while measuring; rerun on a quiet machine before serving this schedule.",
+            file=sys.stderr,
+        )
     schedule = derive_schedule(
         max_batch_size, measured["target_step_seconds"], measured["drafter_step_seconds"], measured["acceptance"]
     )
@@ -241,7 +268,7 @@ def add_subcommand(subparsers) -> None:
     )
     parser.add_argument("--engine", required=True, choices=ENGINES)
     parser.add_argument("--target", required=True, help="the target: zoo name, directory or Hub id")
-    parser.add_argument("--drafter", required=True, help="drafter directory, or its `osprey export --format vllm`")
+    parser.add_argument("--drafter", required=True, help="drafter: directory, Hub id, packed, or its export")
     parser.add_argument("--output", required=True, help="new (or empty) directory for the config and measurements")
     parser.add_argument("--max-batch-size", type=int, default=8, help="largest batch measured (default: 8)")
     parser.add_argument("--num-draft-tokens", type=int, default=3, help="the largest K (default: 3)")

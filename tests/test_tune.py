@@ -5,7 +5,7 @@ tested in test_vllm_schedule.py.)"""
 import pytest
 
 from osprey import tune
-from osprey.tune import batch_sizes, measurements, tune_job
+from osprey.tune import COST_ROUNDS, batch_sizes, measurements, tune_job
 
 
 def test_batch_sizes_double_up_to_the_largest():
@@ -20,7 +20,7 @@ def test_the_job_measures_every_batch_size_at_every_k_then_the_acceptance(tmp_pa
     settings = {"num_draft_tokens": 2, "max_batch_size": 4, "max_new_tokens": 16, "dtype": "float32"}
     job = tune_job("target", str(tmp_path), [[1, 2], [3]], settings)
     costs = [(p["concurrency"], p["num_speculative_tokens"]) for p in job["phases"] if not p.get("acceptance")]
-    assert costs == [(b, k) for k in range(3) for b in (1, 2, 4)]
+    assert costs == [(b, k) for k in range(3) for b in (1, 2, 4)] * COST_ROUNDS
     assert all(p["ignore_eos"] and p["num_prompts"] == p["concurrency"] for p in job["phases"][:-1])
     assert job["phases"][-1] == {"concurrency": 1, "num_prompts": 2, "num_speculative_tokens": 2, "acceptance": True}
     assert len(job["prompts"]) == 4 and job["in_process"] and job["timers"]
@@ -51,6 +51,10 @@ def test_measurements_keep_steady_steps_and_take_the_drafter_out():
     assert measured["target_step_seconds"] == {2: pytest.approx(0.08), 4: pytest.approx(0.11)}
     assert measured["drafter_step_seconds"] == {2: pytest.approx(0.01)}
     assert measured["acceptance"] == [0.4, 0.25]
+    assert measured["unsteady_costs"] == []
+    # a busier spell during the 2-token steps than during the 4-token ones is reported
+    result["phases"][1]["steps"] = [step(2, 0.3)]
+    assert measurements(result, 1)["unsteady_costs"] == ["0.29 s at 2 tokens, 0.11 s at 4"]
 
 
 def test_a_missing_vllm_environment_names_the_fix(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import os
 import pytest
 from test_vllm import PROMPTS, export, random_drafter, save_target
 
-from osprey.tune import find_vllm_python, measurements, run_engine, tune_job
+from osprey.tune import COST_ROUNDS, find_vllm_python, measurements, run_engine, tune_job
 from osprey.vllm_schedule import check_schedule, derive_schedule
 
 
@@ -34,7 +34,7 @@ def test_tune_engine_sets_k_per_step_and_k_zero_still_runs_the_drafter(vllm_pyth
     cost_phases = [phase for phase in result["phases"] if not phase.get("acceptance")]
     assert [(p["concurrency"], p["num_speculative_tokens"]) for p in cost_phases] == [
         (b, k) for k in range(3) for b in (1, 2)
-    ]
+    ] * COST_ROUNDS
     for phase in cost_phases:
         size, k = phase["concurrency"], phase["num_speculative_tokens"]
         steady = [step for step in phase["steps"] if step["target_tokens"] == size * (1 + k)]
