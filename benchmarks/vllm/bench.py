@@ -40,10 +40,10 @@ from osprey import zoo  # noqa: E402
 from osprey.bench_suites import held_out_prompts, load_suite, select_subset  # noqa: E402
 from osprey.decode import encode_prompt  # noqa: E402
 from osprey.export import SPECULATORS, VLLM, export_drafter  # noqa: E402
+from osprey.tune import find_vllm_python  # noqa: E402
 from osprey.tune import run_engine as run_engine_job  # noqa: E402
 from osprey.vllm_schedule import read_speculative_config  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("vllm", "ngram", "draft-model", "eagle3", "osprey", "osprey-schedule")
 DEFAULT_GRID = {"ngram": [3, 5], "draft-model": [3, 5], "eagle3": [2, 3, 4], "osprey": [2, 3, 4]}
 NGRAM_LOOKUP = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -307,10 +307,14 @@ def main(argv=None) -> int:
         default="",
         help="methods whose time split at the largest concurrency is measured (e.g. vllm,osprey)",
     )
-    parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    parser.add_argument("--vllm-python", help="vLLM's Python (default: $OSPREY_VLLM_PYTHON, else .venv-vllm)")
     parser.add_argument("--work-dir", default=os.environ.get("RUNS", "/work/runs") + "/vllm-bench")
     parser.add_argument("--output", required=True, help="results JSON; .md and .png beside it")
     args = parser.parse_args(argv)
+    try:
+        args.vllm_python = args.vllm_python or str(find_vllm_python())
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     args.drafters = dict(value.split("=", 1) for value in args.drafter if "=" in value)
     if not set(args.drafters) <= {"eagle3", "osprey"} or len(args.drafters) != len(args.drafter):
         raise SystemExit("--drafter takes osprey=DIR and eagle3=DIR, once each")
