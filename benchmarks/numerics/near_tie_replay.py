@@ -1,10 +1,10 @@
 """How well does `osprey.near_tie.replay` tell rounding from a wrong verifier on a real target?
 
-On 25 of the replication's 50 prompts (the first of its 2 per category of Spec-Bench, MT-Bench, HumanEval and MMATH,
-seed 0), the target in bf16 decodes each prompt alone and with the shipped drafter twice (`HONEST`: chains, and the
-demo's trees with a prompt-lookup branch); then once more, in chains, with a verifier made wrong on purpose
-(`SecondBest`: after the accepted drafts it emits the target's second-best token). Every output that differs
-from the target alone's is replayed:
+On 25 of the replication's 50 prompts (one of its 2 per category of Spec-Bench, MT-Bench, HumanEval and MMATH:
+`select_subset` with 1 per category, seed 0), the target in bf16 decodes each prompt alone and with the shipped
+drafter twice (`HONEST`: chains, and the demo's trees with a prompt-lookup branch); then once more, in chains, with a
+verifier made wrong on purpose (`SecondBest`: after the accepted drafts it emits the target's second-best token).
+Every output that differs from the target alone's is replayed:
 
 - honest differences: the share labelled "rounding (shape-dependent)" (`honest_explained`, goal 100%);
 - the wrong verifier's differing outputs: the share labelled UNEXPLAINED (`wrong_flagged`, goal >= 99%), against the
@@ -27,7 +27,6 @@ import argparse
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -149,9 +148,8 @@ def main() -> int:
     eos = target.generation_config.eos_token_id
     prompts = replication_prompts(args.data_dir)[: args.limit]
     partial = args.output.with_suffix(".jsonl")
-    done = [json.loads(line) for line in partial.read_text().splitlines()] if partial.exists() else []
+    done = _read_jsonl(partial)
     seen = {row["prompt"] for row in done}
-    start = time.perf_counter()
     for prompt in prompts:
         name = f"{prompt.suite}/{prompt.category}/{prompt.prompt_id}"
         if name in seen:
@@ -184,7 +182,6 @@ def main() -> int:
         done.append(row)
         labels = ", ".join(f"{kind} {_label(row[f'{kind}_divergence'])}" for kind in [*HONEST, "wrong"])
         print(f"{name}: {labels}", flush=True)
-    decode_seconds = time.perf_counter() - start
 
     texts = {f"{p.suite}/{p.category}/{p.prompt_id}": p for p in prompts}
     with upcast(target):  # the former check, and the float32 margin kept as information
@@ -199,10 +196,14 @@ def main() -> int:
                 ):
                     verdict = former_verdict(target, prompt_ids, reference, row[kind], divergence["position"])
                     divergence["former"] = verdict
-    summary = summarize(done, args, decode_seconds)
+    summary = summarize(done, args)
     args.output.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({key: value for key, value in summary.items() if key != "prompts"}, indent=1))
     return 0
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _replayed(target, rerun, prompt_ids, reference, output) -> dict | None:
@@ -214,7 +215,7 @@ def _label(divergence: dict | None) -> str:
     return "same" if divergence is None else divergence["label"]
 
 
-def summarize(rows: list[dict], args, decode_seconds: float) -> dict:
+def summarize(rows: list[dict], args) -> dict:
     honest = [row[f"{kind}_divergence"] for row in rows for kind in HONEST if row[f"{kind}_divergence"] is not None]
     wrong = [row["wrong_divergence"] for row in rows if row["wrong_divergence"] is not None]
     ratios = [ratio for row in rows for ratio in row["calibration"]]
@@ -225,7 +226,7 @@ def summarize(rows: list[dict], args, decode_seconds: float) -> dict:
         "dtype": "bfloat16",
         "device": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
-        "prompts_used": "the replication's first per category (spec_bench, mt_bench, humaneval, mmath; seed 0)",
+        "prompts_used": "1 per category of spec_bench, mt_bench, humaneval, mmath (seed 0), in the replication's 50",
         "num_prompts": len(rows),
         "max_new_tokens": args.max_new_tokens,
         "wrong_max_new_tokens": args.wrong_max_new_tokens,
@@ -239,7 +240,6 @@ def summarize(rows: list[dict], args, decode_seconds: float) -> dict:
         "wrong_flagged": sum(d["label"] == UNEXPLAINED for d in wrong) / len(wrong) if wrong else None,
         "former_flagged": _share(wrong, lambda d: d.get("former", {}).get("flagged", True)),
         "former_honest_explained": _share(honest, lambda d: not d.get("former", {}).get("flagged", True)),
-        "decode_seconds": decode_seconds,
         "prompts": rows,
     }
 
