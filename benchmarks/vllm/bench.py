@@ -132,9 +132,12 @@ def encode(prompts, tokenizer) -> list[list[int]]:
 
 
 def tune(args, drafts, target_dir, prompt_ids) -> dict:
-    """Each speculative method's tokens/s at concurrency 1 on the held-out prompts, per draft length."""
+    """Each speculative method's tokens/s at concurrency 1 on the held-out prompts, per draft length; a method given
+    one length (`--num-draft-tokens METHOD=N`) has nothing to choose and is not tuned."""
     tuning = {}
     for method, lengths in args.grid.items():
+        if len(lengths) == 1:
+            continue
         for num_tokens in lengths:
             job = job_of(args, target_dir, speculative_config(method, num_tokens, drafts), prompt_ids, [1])
             (phase,) = run_engine(args, f"tune-{method}-{num_tokens}", job)["phases"]
@@ -211,13 +214,27 @@ def records_of(results: dict, chosen: dict) -> list[dict]:
     return records
 
 
+def _lengths_note(summary: dict) -> str:
+    """How the static methods' draft lengths were set: tuned on held-out prompts, or given on the command line."""
+    tuned = list(summary["tuning"])
+    given = sorted(set(summary["chosen"]) - set(tuned) - {"osprey-schedule"})
+    sentences = []
+    if tuned:
+        sentences.append(
+            f"Draft lengths of {', '.join(tuned)} chosen on {summary['num_tune_prompts']} held-out prompts "
+            "(tokens/s at concurrency 1)"
+        )
+    if given:
+        sentences.append(f"Draft lengths of {', '.join(given)} given (--num-draft-tokens)")
+    return ". ".join(sentences) or "No draft lengths"
+
+
 def write_report(output: Path, summary: dict) -> None:
     lines = [
         f"# {summary['target']} in vLLM {summary['vllm_version']}: speculative methods, one run",
         "",
         f"{summary['num_prompts']} prompts ({summary['prompts']}), greedy, {summary['max_new_tokens']} new tokens at "
-        f"most, {summary['dtype']}, eager, {summary['device']}. Draft lengths chosen on {summary['num_tune_prompts']} "
-        "held-out prompts (tokens/s at concurrency 1); osprey-schedule drafts "
+        f"most, {summary['dtype']}, eager, {summary['device']}. {_lengths_note(summary)}; osprey-schedule drafts "
         f"{summary['schedule']['num_speculative_tokens_per_batch_size']} ([first batch size, last, draft length]; "
         f"{summary['schedule']['from']}). vLLM's multi-process engine; CPU settings "
         f"{summary['cpu_settings'] or 'vLLM defaults'}.",
@@ -248,7 +265,8 @@ def write_report(output: Path, summary: dict) -> None:
                 f"{p['target_seconds_per_step']:.3f} | {target_s:.1f} | {drafter_s:.1f} | "
                 f"{p['seconds'] - target_s - drafter_s:.1f} |"
             )
-    lines += ["", "Tuning (held-out prompts, concurrency 1): tokens/s (τ) per draft length", ""]
+    if summary["tuning"]:
+        lines += ["", "Tuning (held-out prompts, concurrency 1): tokens/s (τ) per draft length", ""]
     for method, by_length in summary["tuning"].items():
         cells = ", ".join(f"{n}: {v['tokens_per_s']:.2f} ({v['tau']:.2f})" for n, v in by_length.items())
         lines.append(f"- {method}: {cells}; chosen {summary['chosen'][method]}")
@@ -350,6 +368,7 @@ def main(argv=None) -> int:
 
     tuning = tune(args, drafts, target_dir, encode(tune_prompts, tokenizer))
     chosen = {method: max(lengths, key=lambda n: lengths[n]["tokens_per_s"]) for method, lengths in tuning.items()}
+    chosen |= {method: lengths[0] for method, lengths in args.grid.items() if len(lengths) == 1}
     if "osprey-schedule" in args.methods:
         chosen["osprey-schedule"] = drafts["osprey-schedule"]["num_speculative_tokens"]
     bench_ids = encode(bench_prompts, tokenizer)
