@@ -436,8 +436,9 @@ def label_divergences(target, tokenizer, results: dict, prompts: list[BenchPromp
         with upcast(target):
             for row, prompt_ids, reference, _ in found:
                 margins[id(row)] = float32_margin(target, prompt_ids, reference, row["output_ids"])
-    except torch.OutOfMemoryError:
-        pass
+    except RuntimeError as error:  # out of memory: torch.OutOfMemoryError on accelerators, a RuntimeError on CPUs
+        if not isinstance(error, torch.OutOfMemoryError) and "memory" not in str(error).lower():
+            raise
     for row, _, _, divergence in found:
         row["divergence"] = replace(divergence, margin=margins.get(id(row))).to_dict()
 

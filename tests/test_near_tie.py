@@ -256,6 +256,20 @@ def test_a_bf16_bench_labels_every_difference_and_flags_every_wrong_decision(mon
     assert DIFFERENCES_NOTE in table and f"{len(PROMPTS)} {UNEXPLAINED}" in table
 
 
+def test_the_float32_margin_is_left_out_where_the_target_does_not_fit(monkeypatch):
+    """The margin is information only: a float32 pass that runs out of memory (a RuntimeError on CPUs) leaves it
+    None, and every difference keeps the replay's label."""
+
+    def out_of_memory(model, dtype=torch.float32):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory (forced)")
+
+    take_the_second_best(monkeypatch)
+    monkeypatch.setattr(osprey.bench, "upcast", out_of_memory)
+    rows = [row for row in _bf16_bench()["requests"] if row["method"] == "osprey"]
+    assert [row["divergence"]["label"] for row in rows] == [UNEXPLAINED] * len(PROMPTS)
+    assert all(row["divergence"]["margin"] is None for row in rows)
+
+
 def test_token_ids_of_older_results_are_rebuilt_only_when_their_hash_agrees():
     """Results saved before `output_ids` keep a completion and its ids' hash: ids are rebuilt from the text (with an
     eos the text does not show) and accepted only if they hash the same (benchmarks/numerics/old_results.py)."""
