@@ -44,6 +44,7 @@ from .bench_report import (
 )
 from .bench_suites import CORPUS_SUITES, SUITES, BenchPrompt, load_suite, select_subset
 from .decode import add_decoding_arguments, encode_prompt, speculative_generate, target_generate
+from .ground import ForwardHooks
 from .near_tie import float32_margin, replay, upcast
 from .pack import custom_generate_folder, load_drafter
 
@@ -181,29 +182,17 @@ class BenchMethod:
         return self.drafter if self.drafter is not None else self.assistant
 
 
-class ForwardRecorder:
+class ForwardRecorder(ForwardHooks):
     """Forward hooks on `model` noting, for each call, the KV-cache length before it, the tokens fed and the seconds."""
 
     def __init__(self, model):
-        self.model, self.calls, self._handles = model, [], []
-
-    def __enter__(self):
-        if self.model is not None:
-            self._handles = [
-                self.model.register_forward_pre_hook(self._before, with_kwargs=True),
-                self.model.register_forward_hook(self._after),
-            ]
-        return self
-
-    def __exit__(self, *exc_info):
-        for handle in self._handles:
-            handle.remove()
+        super().__init__(model)
+        self.calls = []
 
     def _before(self, module, args, kwargs):
-        input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-        cache = kwargs.get("cache")
+        input_ids, cached = self.fed(args, kwargs)
         _synchronize(input_ids.device)
-        self._pending = (0 if cache is None else cache.get_seq_length(), input_ids.shape[1], time.perf_counter())
+        self._pending = (cached, input_ids.shape[1], time.perf_counter())
 
     def _after(self, module, args, output):
         cache_length, fed, start = self._pending

@@ -142,3 +142,31 @@ def text_script(text: str) -> str | None:
     """The script most of `text`'s letters are written in (`letter_script`'s names), None without letters."""
     counts = collections.Counter(letter_script(ch) for ch in text if ch.isalpha())
     return counts.most_common(1)[0][0] if counts else None
+
+
+class ForwardHooks:
+    """Inside a `with` block, the subclass's `_before(module, args, kwargs)` runs as a forward pre-hook on `model` and
+    its `_after(module, args, output)` as a forward hook (no hooks when `model` is None); both come off at the end."""
+
+    def __init__(self, model):
+        self.model, self._handles = model, []
+
+    def __enter__(self):
+        if self.model is not None:
+            self._handles = [
+                self.model.register_forward_pre_hook(self._before, with_kwargs=True),
+                self.model.register_forward_hook(self._after),
+            ]
+        return self
+
+    def __exit__(self, *exc_info):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @staticmethod
+    def fed(args, kwargs) -> tuple[torch.LongTensor, int]:
+        """A forward call's input ids and how many positions its KV cache (`cache=`) held before it."""
+        input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        cache = kwargs.get("cache")
+        return input_ids, 0 if cache is None else int(cache.get_seq_length())

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from .ground import ForwardHooks
+
 # Unit roundoff u of each dtype: a stored value is off by at most u of its magnitude (8, 11, 24 significant bits).
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 # How far an honest verification forward's logits may lie from a clean forward's of the same prefix, in units of
@@ -93,7 +95,7 @@ def first_divergence(reference: list[int], output: list[int]) -> int | None:
     return None if len(reference) == len(output) else min(len(reference), len(output))
 
 
-class DecidingForward:
+class DecidingForward(ForwardHooks):
     """Hooks on `target` that keep the logits of the forward row that decided the new token at `position` of
     `sequence` (prompt and output, `prompt_length` tokens of prompt): the row at absolute position
     `prompt_length + position - 1` that sees, among the forward's new tokens, exactly `sequence`'s tokens from the
@@ -102,27 +104,14 @@ class DecidingForward:
     onwards) and a 4-D attention mask (else causal)."""
 
     def __init__(self, target, sequence: list[int], prompt_length: int, position: int):
-        self.target, self.sequence = target, sequence
+        super().__init__(target)
+        self.sequence = sequence
         self.decided_at = prompt_length + position - 1  # the absolute position of the row that predicts `position`
-        self.logits = None
-        self._handles, self._pending = [], None
-
-    def __enter__(self):
-        self._handles = [
-            self.target.register_forward_pre_hook(self._before, with_kwargs=True),
-            self.target.register_forward_hook(self._after),
-        ]
-        return self
-
-    def __exit__(self, *exc_info):
-        for handle in self._handles:
-            handle.remove()
+        self.logits, self._pending = None, None
 
     def _before(self, module, args, kwargs):
-        input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        input_ids, cached = self.fed(args, kwargs)
         fed = input_ids.shape[1]
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        cached = 0 if cache is None else int(cache.get_seq_length())
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = kwargs.get("cache_position")

@@ -27,6 +27,7 @@ import argparse
 import json
 import platform
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -88,13 +89,13 @@ class Calibration:
         self.hooks = {p: DecidingForward(target, prompt + reference, len(prompt), p) for p in positions}
 
     def __enter__(self):
+        self._stack = ExitStack()
         for hook in self.hooks.values():
-            hook.__enter__()
+            self._stack.enter_context(hook)
         return self
 
     def __exit__(self, *exc_info):
-        for hook in self.hooks.values():
-            hook.__exit__(*exc_info)
+        self._stack.close()
 
     @torch.no_grad()
     def ratios(self, output: list[int]) -> list[float]:
