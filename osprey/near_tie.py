@@ -32,8 +32,8 @@ from .ground import ForwardHooks
 # Unit roundoff u of each dtype: a stored value is off by at most u of its magnitude (8, 11, 24 significant bits).
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 # How far an honest verification forward's logits may lie from a clean forward's of the same prefix, in units of
-# u * max|z| (z: the clean forward's logits, u: the dtype's unit roundoff): about 2.5 times the largest distance
-# measured on a real target's honest bf16 decodings (`benchmarks/numerics/near_tie_replay.py`, docs/results.md). A
+# u * max|z| (z: the clean forward's logits, u: the dtype's unit roundoff): well above the largest distance measured
+# on a real target's honest bf16 decodings (`benchmarks/numerics/near_tie_replay.py`, docs/results.md). A
 # wrong forward (a stale cache entry, a wrong mask or position) moves logits by whole units, far beyond it.
 FORWARD_NOISE = 8.0
 ROUNDING, UNEXPLAINED = "rounding (shape-dependent)", "UNEXPLAINED"
