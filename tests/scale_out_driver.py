@@ -108,9 +108,7 @@ def main() -> int:
     status = 0
     for entry in json.loads(Path(sys.argv[1]).read_text()):
         status = status or run(entry["stage"], entry["argv"], entry.get("report"))
-    # Every process waits for the main one to finish saving, then ends its process group: left to the interpreter's
-    # exit while the main process still saved, a gloo process group once aborted a process ("terminate called without
-    # an active exception").
+    # Every process waits for the main one to finish saving, then ends its process group.
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -118,4 +116,11 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Every run's products are written and the process group is gone; the process ends here without the interpreter's
+    # teardown. After a resumed FSDP run on CPU processes (gloo, the configuration `keep_fsdp_on_cpu` makes and
+    # accelerate does not), that teardown sometimes aborts in a C++ destructor with no Python frame left ("terminate
+    # called without an active exception"), which would fail a run that finished.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
