@@ -16,7 +16,8 @@ the draft length of every step whatever the batch (the engine must start with a
 `num_speculative_tokens_per_batch_size`, so that vLLM reads its per-step lookup), and `"timers": true` wraps both
 models' forwards in wall-clock timers and records each engine step: the tokens of the target's forward, its seconds,
 the drafter's calls and seconds, the step's wall time. `"skip_tokenizer_init": true` serves a target saved without a
-tokenizer (outputs are token ids either way).
+tokenizer (outputs are token ids either way). `"prefix_caching": false` turns vLLM's prefix cache off, so that every
+phase computes its prompts again (on by default, as vLLM serves).
 """
 
 import json
@@ -124,6 +125,7 @@ def main(job_path: str) -> None:
         disable_log_stats=False,
         speculative_config=job.get("speculative_config"),
         skip_tokenizer_init=job.get("skip_tokenizer_init", False),
+        enable_prefix_caching=job.get("prefix_caching", True),
     )
     engine_seconds = time.perf_counter() - started
     prompts = job["prompts"]

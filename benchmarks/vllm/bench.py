@@ -13,7 +13,8 @@ the bench's (`held_out_prompts`: the next seeded prompt of each category, `--tun
 tokens/s at one request at a time (`osprey-schedule` keeps its schedule's); then every method decodes the bench's
 prompts with its chosen length at each concurrency N: all the prompts, at most N in the engine at once. Every engine
 is a subprocess in vLLM's environment (`osprey/vllm_engine.py`, `--vllm-python`), vLLM's default multi-process engine
-(engine core and worker in their own processes, as a server runs), greedy, in the target's `--dtype`, eager
+(engine core and worker in their own processes, as a server runs), without the prefix cache (`job_of` says why),
+greedy, in the target's `--dtype`, eager
 (`enforce_eager`: an engine start without torch.compile takes ~1 min here instead of 2-4); `--omp-threads-bind` and
 `--reserved-cpus` set vLLM's `VLLM_CPU_OMP_THREADS_BIND` and `VLLM_CPU_NUM_OF_RESERVED_CPU`, and every record keeps
 the CPU settings its engine ran with. Each engine's result is kept in `--work-dir`, so a rerun resumes. tau is vLLM's
@@ -88,8 +89,13 @@ def run_engine(args, name: str, job: dict) -> dict:
 
 
 def job_of(args, target_dir: str, config: dict | None, prompt_ids: list, concurrencies: list[int], **extra) -> dict:
-    """One engine's job (see engine.py): the target in `--dtype`, eager, greedy, `--max-new-tokens`."""
+    """One engine's job (osprey/vllm_engine.py): the target in `--dtype`, eager, greedy, `--max-new-tokens`, without
+    vLLM's prefix cache. Every phase sends the same prompts again; with the cache on, a phase after the first finds
+    them cached, and vLLM resumes a resent prompt one cache block earlier with an EAGLE-style drafter (EAGLE-3,
+    Osprey) than without (`v1/core/kv_cache_coordinator.py:replay_boundaries`), a 128-token block on CPUs: the bench
+    would time the methods' unequal cache hits instead of the distinct requests a server sees."""
     return {
+        "prefix_caching": False,
         "target": target_dir,
         "dtype": args.dtype,
         "speculative_config": config,
@@ -236,7 +242,7 @@ def write_report(output: Path, summary: dict) -> None:
         f"{summary['num_prompts']} prompts ({summary['prompts']}), greedy, {summary['max_new_tokens']} new tokens at "
         f"most, {summary['dtype']}, eager, {summary['device']}. {_lengths_note(summary)}; osprey-schedule drafts "
         f"{summary['schedule']['num_speculative_tokens_per_batch_size']} ([first batch size, last, draft length]; "
-        f"{summary['schedule']['from']}). vLLM's multi-process engine; CPU settings "
+        f"{summary['schedule']['from']}). vLLM's engine: {summary['engine']}; CPU settings "
         f"{summary['cpu_settings'] or 'vLLM defaults'}.",
         "",
         "| method | draft length | concurrency | τ | tokens/s | speedup | outputs identical to vLLM alone |",
@@ -388,7 +394,7 @@ def main(argv=None) -> int:
         "num_tune_prompts": len(tune_prompts),
         "tune_prompt_categories": [p.category for p in tune_prompts],
         "drafts": {**args.drafters, "draft-model": args.sps},
-        "engine": "multi-process (vLLM's default)",
+        "engine": "multi-process (vLLM's default), prefix cache off",
         "ngram": NGRAM_LOOKUP,
         "concurrency": args.concurrency,
         "methods": args.methods,
