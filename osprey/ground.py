@@ -14,6 +14,7 @@ Model loading by zoo name, directory or Hub id is `osprey.zoo` (it builds on thi
 """
 
 import collections
+import json
 import os
 import shutil
 import subprocess
@@ -130,6 +131,11 @@ def read_input_embedding(model_dir: str | os.PathLike) -> torch.Tensor:
                 if name.endswith("embed_tokens.weight"):
                     return weights.get_tensor(name)
     raise ValueError(f"No `*embed_tokens.weight` tensor in the safetensors files of {model_dir}: is it a target LLM?")
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The records of a JSON-lines file, blank lines skipped."""
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def letter_script(ch: str) -> str:

@@ -36,6 +36,7 @@ from near_tie_bound import rounding_bound
 import modeling_osprey.decoding_osprey as decoding_osprey
 from osprey.bench_suites import load_suite, select_subset
 from osprey.decode import encode_prompt, speculative_generate, target_generate
+from osprey.ground import read_jsonl
 from osprey.near_tie import (
     FORWARD_NOISE,
     ROUNDING,
@@ -149,7 +150,7 @@ def main() -> int:
     eos = target.generation_config.eos_token_id
     prompts = replication_prompts(args.data_dir)[: args.limit]
     partial = args.output.with_suffix(".jsonl")
-    done = _read_jsonl(partial)
+    done = read_jsonl(partial) if partial.exists() else []
     seen = {row["prompt"] for row in done}
     for prompt in prompts:
         name = f"{prompt.suite}/{prompt.category}/{prompt.prompt_id}"
@@ -201,10 +202,6 @@ def main() -> int:
     args.output.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({key: value for key, value in summary.items() if key != "prompts"}, indent=1))
     return 0
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _replayed(target, rerun, prompt_ids, reference, output) -> dict | None:
