@@ -8,6 +8,13 @@ drafter with that residual. No stock engine implements it, and no weight mapping
 `sglang-eagle3` take only EAGLE-3-style drafters (`residual_stream="features"`: block 0 adds its attention output to the
 fused target features). Every format needs Llama-style blocks and three taps.
 
+A drafter as wide as its target may carry an embedding other than the target's (its own backbone's, or one trained
+while distilling). SGLang, and the vLLM releases before vLLM checked for a drafter's own embedding, replace an EAGLE-3
+drafter's embedding by the target's whenever both are equally wide, so `speculators` (which any vLLM may load) and
+`sglang-eagle3` export it only when the two are equal (`--target` checks). The `vllm` format takes it: the plugin's
+drafter declares its own embedding and LM head, and the vLLM releases the plugin accepts replace them by the target's
+only where they are equal.
+
 What changes on the way out, and why it is exact:
 
 - block 0's q/k/v read `[hidden_norm(features) ; input_layernorm(tokens)]` here and `[embeds ; hidden]` in the engines:
@@ -99,8 +106,9 @@ def export_problems(config: OspreyConfig, export_format: str, target_num_layers:
 
 def _check_target_embedding(drafter: OspreyForDrafting, target) -> str | None:
     """SGLang, and vLLM releases before it checked for a drafter's own embedding, replace an EAGLE-3 drafter's
-    embedding by the target's whenever both are equally wide: the export is exact only if they are equal. Returns the
-    problem, if any."""
+    embedding by the target's whenever both are equally wide: a `speculators` or `sglang-eagle3` export is exact only if
+    they are equal. Returns the problem, if any. The `vllm` format needs no check: the osprey-vllm plugin keeps the
+    drafter's own embedding (its model declares `has_own_embed_tokens`, which every vLLM release it accepts honours)."""
     if target is None:
         return (
             f"its hidden size equals the target's ({drafter.config.hidden_size}), so the engine may use the target's "
@@ -239,6 +247,30 @@ def sglang_config(drafter: OspreyForDrafting) -> dict:
     }
 
 
+def check_exportable(
+    drafter: OspreyForDrafting | str | os.PathLike, export_format: str, target: str | os.PathLike | None = None
+):
+    """Raises `ValueError` listing every reason the engine of `export_format` would compute something other than
+    `drafter` (a model or a drafter directory) for `target`; returns the target's config (None without a target).
+    `osprey adapt` calls it on the converted drafter, before training: what it checks does not change in training."""
+    if not isinstance(drafter, OspreyForDrafting):
+        drafter = load_drafter(Path(drafter))
+    target_config = None if target is None else AutoConfig.from_pretrained(zoo.resolve_model_path(target))
+    if target_config is not None:
+        drafter.config.check_target(target_config, name_or_path=None)
+    target_num_layers = None if target_config is None else getattr(target_config, "num_hidden_layers", None)
+    problems = export_problems(drafter.config, export_format, target_num_layers)
+    if export_format != VLLM and drafter.config.hidden_size == drafter.config.target_hidden_size:
+        problems += filter(None, [_check_target_embedding(drafter, target)])
+    if problems:
+        raise ValueError(
+            f"This drafter cannot be exported as {export_format}, the engine would not compute what it computes: "
+            + "; ".join(problems)
+            + "."
+        )
+    return target_config
+
+
 def export_drafter(
     drafter: OspreyForDrafting | str | os.PathLike,
     export_format: str,
@@ -250,9 +282,9 @@ def export_drafter(
     """Writes `drafter` (a model or a drafter directory) to the new or empty `output_dir` as `config.json` and
     `model.safetensors` in `export_format` (one of `FORMATS`), with its license files; raises `ValueError` listing
     every reason the engine would compute something else. `target` (zoo name, directory or Hub id) fills the
-    verifier of a `speculators` config and checks an embedding the engine would share with the target; `verifier`
-    overrides the verifier's name (default: the target the drafter was converted for, from its
-    `alignment_report.json`).
+    verifier of a `speculators` config and, for `speculators` and `sglang-eagle3`, checks an embedding the engine would
+    share with the target (the `vllm` format keeps the drafter's own); `verifier` overrides the verifier's name
+    (default: the target the drafter was converted for, from its `alignment_report.json`).
 
     `vllm` also writes `speculative_config.json`, vLLM's speculative config for this export with a draft length per
     batch size: `schedule`'s (an `osprey tune` output folder or its `speculative_config.json`), else
@@ -267,19 +299,7 @@ def export_drafter(
     if not isinstance(drafter, OspreyForDrafting):
         source_dir = Path(drafter)
         drafter = load_drafter(source_dir)
-    target_config = None if target is None else AutoConfig.from_pretrained(zoo.resolve_model_path(target))
-    if target_config is not None:
-        drafter.config.check_target(target_config, name_or_path=None)
-    target_num_layers = None if target_config is None else getattr(target_config, "num_hidden_layers", None)
-    problems = export_problems(drafter.config, export_format, target_num_layers)
-    if drafter.config.hidden_size == drafter.config.target_hidden_size:
-        problems += filter(None, [_check_target_embedding(drafter, target)])
-    if problems:
-        raise ValueError(
-            f"This drafter cannot be exported as {export_format}, the engine would not compute what it computes: "
-            + "; ".join(problems)
-            + "."
-        )
+    target_config = check_exportable(drafter, export_format, target)
     if export_format in (SPECULATORS, VLLM):
         verifier = (
             verifier or _verifier_name(target) or _converted_for(source_dir) or drafter.config.target_name_or_path

@@ -18,6 +18,7 @@ import math
 
 import pytest
 import torch
+from conftest import make_tiny_target
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
@@ -336,6 +337,31 @@ def test_export_of_a_target_wide_drafter_checks_the_shared_embedding(tmp_path, e
         drafter.model.embed_tokens.weight.add_(1.0)
     with pytest.raises(ValueError, match="they differ"):
         export_drafter(drafter, export_format, tmp_path / "different", target=target_dir)
+
+
+def test_vllm_exports_a_drafter_as_wide_as_the_target_with_its_own_embedding(tmp_path):
+    """A drafter as wide as its target whose embedding is not the target's (kept from its own backbone, or trained
+    while distilling) exports as `vllm` with its own embedding, which the plugin keeps (vLLM itself, in
+    test_vllm.py); `speculators` and `sglang-eagle3`, whose engines may swap in the target's, refuse the same drafter
+    and say why. An EAGLE-3-style drafter, which every format otherwise takes, isolates the embedding as the reason."""
+    target = make_tiny_target("qwen2")  # 64 wide, 256 tokens, 8 blocks
+    target.save_pretrained(tmp_path / "target")
+    wide = {"hidden_size": 64, "target_hidden_size": 64, "vocab_size": 256}
+    drafter = eagle3_drafter(**wide)
+    assert not torch.equal(drafter.model.embed_tokens.weight, target.model.embed_tokens.weight)
+    for export_format in (SPECULATORS, SGLANG):
+        with pytest.raises(ValueError, match=r"equally wide\), and they differ; keep the target's embedding frozen"):
+            export_drafter(drafter, export_format, tmp_path / export_format, target=tmp_path / "target")
+        assert not (tmp_path / export_format).exists()
+    tensors, config = exported(drafter, VLLM, tmp_path, target=tmp_path / "target")
+    assert torch.equal(tensors["embed_tokens.weight"], drafter.model.embed_tokens.weight)
+    assert config["hidden_size"] == config["target_hidden_size"] == target.config.hidden_size
+    # Osprey's own drafters (token residual, several blocks), with or without --target.
+    osprey_drafter = eagle3_drafter(num_layers=2, residual_stream="tokens", seed=1, **wide)
+    for name, target_dir in (("with-target", tmp_path / "target"), ("without-target", None)):
+        output = export_drafter(osprey_drafter, VLLM, tmp_path / name, target=target_dir)
+        embedding = load_file(output / "model.safetensors")["embed_tokens.weight"]
+        assert torch.equal(embedding, osprey_drafter.model.embed_tokens.weight)
 
 
 def test_cli_exports_a_saved_drafter_with_its_license(tmp_path, capsys):

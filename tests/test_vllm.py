@@ -8,6 +8,7 @@ the drafter outside an engine (`tests/vllm_v2_calls.py`). Without that environme
 CI (`CI` set), where they fail.
 """
 
+import copy
 import json
 import os
 import subprocess
@@ -131,7 +132,7 @@ def random_drafter(block: str, seed: int = 0, **overrides) -> OspreyForDrafting:
 
 
 def copying_drafter(
-    target, residual_stream: str = "tokens", block: str = "qwen2", noise: float = 0.0
+    target, residual_stream: str = "tokens", block: str = "qwen2", noise: float = 0.0, own_embedding: bool = False
 ) -> OspreyForDrafting:
     """A drafter that predicts what a `zero_block_outputs` target predicts: its blocks add nothing either, and it
     shares the target's embedding, final norm and LM head, so with the token residual its output at position t is the
@@ -139,7 +140,11 @@ def copying_drafter(
 
     With `noise` > 0 the blocks' random output projections (`o_proj`, `down_proj`) are kept, scaled by `noise`,
     instead of zeroed: a random drafter that mostly, not always, copies, whose drafts depend on everything its blocks
-    read (the taps, its KV cache, positions, and on later draft steps the state it feeds back)."""
+    read (the taps, its KV cache, positions, and on later draft steps the state it feeds back).
+
+    With `own_embedding` it computes the same in a permuted basis of its hidden units: the columns of its embedding,
+    final norm weight and LM head are permuted alike, so it copies as well with its own embedding, which is no longer
+    the target's, and drafts garbage with the target's in its place."""
     config = target.config
     drafter = random_drafter(
         block,
@@ -161,6 +166,12 @@ def copying_drafter(
         for layer in drafter.model.layers:
             layer.self_attn.o_proj.weight.mul_(noise)
             layer.mlp.down_proj.weight.mul_(noise)
+        if own_embedding:
+            assert noise == 0.0  # the blocks would read the permuted residual stream
+            basis = torch.randperm(config.hidden_size, generator=torch.Generator().manual_seed(2))
+            for weight in (drafter.model.embed_tokens.weight, drafter.lm_head.weight):
+                weight.copy_(weight[:, basis])
+            drafter.model.norm.weight.copy_(drafter.model.norm.weight[basis])
     return drafter
 
 
@@ -172,11 +183,12 @@ def export(drafter: OspreyForDrafting, directory: Path, target_dir: Path) -> Pat
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
 def served(request, vllm_python, workdir):
     """A tiny target of the param's architecture and a random drafter with the same kind of blocks, run by vLLM alone
-    and with the drafter (recording the drafter's first forward)."""
+    and with the drafter (recording the drafter's first forward). The Qwen2-block drafter is narrower than its target;
+    the Llama-block one is as wide, with its own random embedding, which an engine could replace by the target's."""
     arch = request.param
     directory = workdir / arch
     target = save_target(arch, directory / "target")
-    drafter = random_drafter(arch)
+    drafter = random_drafter(arch, **({"hidden_size": TARGET_SHAPE["hidden_size"]} if arch == "llama" else {}))
     exported = export(drafter, directory, directory / "target")
     alone = succeeded(run_engine(vllm_python, workdir, f"{arch}-alone", target=directory / "target"))
     speculative = succeeded(
@@ -205,6 +217,16 @@ def test_vllm_drafter_reproduces_osprey_drafting_logits(served):
     expected = draft_logits.new_full((len(prompt), drafter.config.vocab_size), float("-inf"))
     expected[:, drafter.draft_to_target] = draft_logits
     torch.testing.assert_close(first_pass["logits"], expected, atol=1e-4, rtol=1e-4)
+    if drafter.config.hidden_size == target.config.hidden_size:
+        # As wide as the target: with the target's embedding in place of its own (what an engine sharing it would
+        # run) the drafter's logits are far from vLLM's, so the match above shows that vLLM kept the drafter's own.
+        assert not torch.equal(drafter.model.embed_tokens.weight, target.model.embed_tokens.weight)
+        swapped = copy.deepcopy(drafter)
+        swapped.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        swapped_logits = swapped(
+            first_pass["input_ids"][None].long(), target_hidden_states=first_pass["taps"][None], use_cache=False
+        ).logits[0]
+        assert (swapped_logits - draft_logits).abs().max() > 1.0
 
 
 @torch.no_grad()
@@ -223,12 +245,26 @@ def test_vllm_greedy_output_with_an_osprey_drafter_is_the_target_alone(served):
 @torch.no_grad()
 def test_a_drafter_that_agrees_with_the_target_is_accepted(vllm_python, workdir):
     """Run in vLLM's default engine (a separate engine-core process, as `vllm serve` runs it), where the tests with
-    hooks on the worker cannot run: the served drafter's greedy output is the target's, and its drafts are accepted."""
+    hooks on the worker cannot run: the served drafter's greedy output is the target's, and its drafts are accepted.
+
+    The drafter is as wide as the target and copies it with its own embedding, in a permuted basis of its hidden
+    units (`copying_drafter(own_embedding=True)`); with the target's embedding it would draft garbage (checked here in
+    transformers), so its drafts are accepted only if vLLM keeps the drafter's own embedding."""
     directory = workdir / "copying"
     target = save_target("qwen2", directory / "target", zero_block_outputs=True)
+    drafter = copying_drafter(target, own_embedding=True)
+    # Its blocks add nothing, so its next token after token v reads only the embedding of v, as the target's does.
+    target_next = target.lm_head(target.model.norm(target.model.embed_tokens.weight)).argmax(-1)
+
+    def agreement(embedding) -> float:  # the share of tokens after which the drafter's next token is the target's
+        return (drafter.lm_head(drafter.model.norm(embedding)).argmax(-1) == target_next).float().mean().item()
+
+    assert agreement(drafter.model.embed_tokens.weight) == 1.0
+    assert agreement(target.model.embed_tokens.weight) < 0.1
     lengths = {}
     for residual_stream in ("tokens", "features"):
-        exported = export(copying_drafter(target, residual_stream), directory / residual_stream, directory / "target")
+        drafter = copying_drafter(target, residual_stream, own_embedding=True)
+        exported = export(drafter, directory / residual_stream, directory / "target")
         name = f"copying-{residual_stream}"
         result = succeeded(
             run_engine(vllm_python, workdir, name, target=directory / "target", drafter=exported, multiprocessing=True)

@@ -36,7 +36,20 @@ class OspreyFusionLayer(LlamaDecoderLayer):
 
 
 class Eagle3OspreyForCausalLM(Eagle3LlamaForCausalLM):
-    """vLLM's EAGLE-3 Llama drafter with Osprey's first block (see the module docstring)."""
+    """vLLM's EAGLE-3 Llama drafter with Osprey's first block (see the module docstring).
+
+    It always drafts with its own token embedding and LM head. Block 0's residual is the token embedding, so a drafter
+    as wide as its target would draft other tokens with the target's embedding in place of its own (one distilled
+    without freezing its embedding, or kept from its own backbone). vLLM's EAGLE proposers (the V1 proposer's
+    `_maybe_share_embeddings` / `_maybe_share_lm_head`, the V2 runner's `maybe_share_target_embed` / `_should_share`)
+    replace a drafter's embedding or head by the target's only when the drafter does not declare `has_own_*`, or when
+    its own tensor equals the target's (then nothing changes, and memory is saved). vLLM sets those flags while loading
+    when a checkpoint tensor's name holds `embed_tokens` / `lm_head`, which every export has; declaring them here
+    keeps the drafter's own whatever the loader scans.
+    """
+
+    has_own_embed_tokens = True
+    has_own_lm_head = True
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         draft_config = vllm_config.speculative_config.draft_model_config.hf_config
