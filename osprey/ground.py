@@ -27,7 +27,9 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 from safetensors import safe_open
 
-# Spec-Bench and MT-Bench, as laid out in the project's shared data folder (a sibling of the repository).
+# Spec-Bench and MT-Bench, as laid out in the project's shared data folder (a sibling of the repository). Only the
+# project's checkout has it, for its benchmarks and tests: an installed package runs without it (the suites it holds
+# are skipped, the prompts kept out of training ship as fingerprints).
 DEFAULT_EVAL_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 

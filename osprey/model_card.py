@@ -51,7 +51,11 @@ COMPANION_FILES = (
     "chat_template.jinja",
     "alignment_report.json",
     "trainer_state.json",
+    "osprey_adaptation.json",
 )
+# Written beside a drafter by `osprey adapt`: its target, backbone, prompt sets, whether the target answered chats or
+# continued plain text (a base model), and the budget; the card says how the drafter was adapted from it.
+ADAPTATION_RECORD = "osprey_adaptation.json"
 TOKENIZER_VOCABULARIES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 BENCH_FIELDS = ("method", "suite", "category", "num_prompts", "tau", "tokens_per_s", "speedup")
 BENCH_METRICS = (  # record field, model-index metric type and name
@@ -178,6 +182,7 @@ def drafter_card(
         num_parameters=_parameter_count(folder),
         num_assistant_tokens=json.loads(drafter_generation_config(folder, config))["num_assistant_tokens"],
         training=_training_record(folder),
+        adaptation=read_json(folder / ADAPTATION_RECORD),
         bench_records=records,
         notices=notices,
         has_tokenizer=any(name in published for name in TOKENIZER_VOCABULARIES),

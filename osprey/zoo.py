@@ -389,6 +389,37 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
     return str(directory)
 
 
+def check_model_source(name_or_path: str | os.PathLike, flag: str = "--target") -> None:
+    """Refuses, in one line naming the fix, a model that is neither a zoo name, a checkpoint directory, nor a Hub
+    repo whose config the Hub (or its local cache) gives; it fetches nothing else, so a command can check its models
+    before it writes or downloads anything."""
+    name = str(name_or_path)
+    if is_zoo_name(name):
+        return
+    directory = Path(name).expanduser()
+    if directory.is_dir():
+        if not (directory / "config.json").is_file():
+            raise ValueError(
+                f"{flag} {name}: the directory has no config.json; pass a model directory saved with "
+                "`save_pretrained`, a zoo name (`osprey fetch --list`) or a Hub id."
+            )
+        check_safetensors_checkpoint(directory)
+        return
+    closest = difflib.get_close_matches(name, [*ZOO, *BACKBONES], n=1, cutoff=0.8)
+    hint = f" Did you mean {closest[0]!r}?" if closest else ""
+    if closest and "/" not in name:  # a near-miss of a zoo name, not a Hub id of the form owner/name
+        raise ValueError(f"{flag} {name!r} is not a zoo model or a directory.{hint} (`osprey fetch --list`)")
+    try:
+        huggingface_hub.hf_hub_download(name, "config.json")
+    except Exception as error:  # noqa: BLE001 - every failure of the Hub (name, network, access) gets the same advice
+        raise ValueError(
+            f"{flag} {name!r} is not a zoo model or a local directory, and the Hugging Face Hub did not give its "
+            f"config ({type(error).__name__}).{hint} Pass a zoo name (`osprey fetch --list`), a directory saved with "
+            "`save_pretrained`, or a Hub id you can reach (`hf auth login` for a gated model, HF_HUB_OFFLINE=1 to "
+            "read the local cache)."
+        ) from error
+
+
 def load_causal_lm(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32, **kwargs) -> PreTrainedModel:
     """`AutoModelForCausalLM.from_pretrained` on `resolve_model_path(name_or_path)`, from safetensors only."""
     return AutoModelForCausalLM.from_pretrained(

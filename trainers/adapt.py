@@ -8,7 +8,8 @@ The stages, each writing its product to `DIR/<stage>/` and marking it done (`DIR
 1. `answers`: the target answers openings of a prompt set, greedily and batched (`trainers.regenerate`). The default
    set mixes ShareGPT and the `multilingual-chat` corpus (28 languages) half and half: a drafter learns the text its
    target writes, in the languages it will be asked in. `--prompts` takes the user's own (a JSONL file of `messages`
-   or `prompt` records, a folder, a corpus name or a Hub dataset).
+   or `prompt` records, a folder, a corpus name or a Hub dataset). A target with no chat template (a base model)
+   continues the openings as plain text instead, and is evaluated on plain text.
 2. `drafter-init`: `osprey convert` of the backbone for the target: vocabulary alignment, the taps of the target's
    preset (or the rule), zero-initialised QKV expansion, a draft vocabulary counted on the prompts and answers.
 3. `features`: the target's features of the answers (`osprey features`).
@@ -16,12 +17,15 @@ The stages, each writing its product to `DIR/<stage>/` and marking it done (`DIR
 5. `drafter`: the finished drafter as an ordinary checkpoint (with its custom-generate loop and model card).
 6. `evaluate`: held-out τ (chains, greedy) per language group on prompts no stage trained on, and a short speed check
    against the target alone at the drafter's decoding shape (`osprey_decoding.json`, which `osprey demo --drafter DIR`
-   reads); the table is `osprey bench`'s.
-7. optional `export` (`--export vllm`, or any `osprey export --format`) and `--push-to-hub REPO`.
+   reads); the table is `osprey bench`'s. Its outputs must pass the lossless check before anything leaves the folder.
+7. optional `export` (`--export vllm`, or any `osprey export --format`, each into `export/<format>/`) and
+   `--push-to-hub REPO`.
 
-A rerun skips finished stages and resumes the one that was stopped (answers line by line, the feature cache after its
-last shard, distillation from its last checkpoint). A directory made for another target, backbone or prompt set is
-refused, and nothing else is written into a non-empty directory that `osprey adapt` did not make.
+Every model, prompt source and budget is checked before anything is written, and what an export needs is checked
+right after conversion, before any training. A rerun skips finished stages and resumes the one that was stopped
+(answers line by line, the feature cache after its last shard, distillation from its last checkpoint); a rerun with
+another `--export` runs that export. A directory made with other settings is refused, and nothing else is written
+into a non-empty directory that `osprey adapt` did not make.
 
 The defaults come from the project's measured curves (docs/adapt.md): the converted backbone already drafts well, and
 the first ~0.1 M token-passes of distillation bring most of what longer runs reach, so the clock goes to writing
@@ -42,16 +46,20 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from osprey.bench_suites import CORPUS_SUITES, SUITES
 from osprey.demo import DECODING_NAME, decoding_shape
 from osprey.export import FORMATS as EXPORT_FORMATS
+from osprey.model_card import ADAPTATION_RECORD
 from osprey.zoo import DEFAULT_BACKBONE
 
 STATE_NAME = "adapt.json"
 STAGES = ("answers", "drafter-init", "features", "distill", "drafter", "evaluate", "export")
 DEFAULT_PROMPTS = ("sharegpt", "multilingual-chat")
-# Held-out prompts of the evaluation: the test split of multilingual-chat (per language group) and Spec-Bench's
-# categories, which no stage trains on.
+# Held-out prompts of the evaluation, with how many of each category: the test split of multilingual-chat (per
+# language group) and Spec-Bench's categories, which no stage trains on. Spec-Bench is not to be had offline: where
+# its file is not found, the evaluation goes on without it and says so.
 HELD_OUT = (("multilingual_chat", 2), ("spec_bench", 1))
+HELD_OUT_SUITES = tuple(suite for suite, _ in HELD_OUT)
 SPEED_PROMPTS = 3
 VOCABULARY_CHARACTERS = 4_000_000
 
@@ -63,6 +71,8 @@ class AdaptSettings:
 
     target: str
     backbone: str = DEFAULT_BACKBONE
+    # A drafter adapted earlier (for an earlier version of the target) to start from instead of the backbone.
+    from_drafter: str | None = None
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
     num_prompts: int = 256
     max_answer_tokens: int = 128
@@ -75,8 +85,9 @@ class AdaptSettings:
     pretrained_learning_rate_scale: float = 0.25
     seed: int = 0
     dtype: str = "bfloat16"
-    # not part of the run's identity
+    # not part of the run's identity: they change what is measured or published, not the drafter
     evaluate: bool = True
+    eval_prompts: tuple[str, ...] | None = None  # None: `HELD_OUT`
     held_out_tokens: int = 48
     export: str | None = None
     push_to_hub: str | None = None
@@ -84,10 +95,12 @@ class AdaptSettings:
     IDENTITY = (
         "target",
         "backbone",
+        "from_drafter",
         "prompts",
         "num_prompts",
         "max_answer_tokens",
         "max_prompt_tokens",
+        "answer_batch_size",  # padded batches of bfloat16 forwards round differently, and greedy answers follow
         "draft_vocab_size",
         "token_passes",
         "budget_minutes",
@@ -97,10 +110,59 @@ class AdaptSettings:
         "dtype",
     )
 
+    # The flag that sets each number a user gives (Python-only fields are named as fields), for errors.
+    FLAGS = {
+        "num_prompts": "--num-prompts",
+        "max_answer_tokens": "--max-new-tokens",
+        "max_prompt_tokens": "max_prompt_tokens",
+        "answer_batch_size": "answer_batch_size",
+        "draft_vocab_size": "--draft-vocab-size",
+        "token_passes": "--token-passes",
+        "budget_minutes": "--budget",
+        "learning_rate": "learning_rate",
+        "held_out_tokens": "held_out_tokens",
+    }
+
     def identity(self) -> dict:
         """The fields that name the run, as `adapt.json` records them."""
         values = {name: getattr(self, name) for name in self.IDENTITY}
         return {name: list(value) if isinstance(value, tuple) else value for name, value in values.items()}
+
+    def check(self) -> None:
+        """Refuses bad settings in one line naming the flag, before anything is written or fetched: budgets and
+        counts, the export format, and that the target, the backbone and every prompt source can be had."""
+        from osprey.zoo import check_model_source
+
+        from .data import check_dataset_source
+
+        for name, flag in self.FLAGS.items():
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{flag} must be positive, got {value}.")
+        if self.token_passes is None and self.budget_minutes is None:
+            raise ValueError("Give a distillation budget: --token-passes (e.g. 80k) or --budget (e.g. 20min).")
+        if self.token_passes is not None and self.budget_minutes is not None:
+            raise ValueError("Give one distillation budget: --token-passes or --budget, not both.")
+        if self.export not in (None, *EXPORT_FORMATS):
+            raise ValueError(f"--export takes one of {', '.join(EXPORT_FORMATS)}, not {self.export!r}.")
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"--dtype takes bfloat16 or float32, not {self.dtype!r}.")
+        if not self.prompts:
+            raise ValueError("--prompts: give at least one prompt source.")
+        check_model_source(self.target, "--target")
+        if self.from_drafter is None:
+            check_model_source(self.backbone, "--backbone")
+        else:
+            from osprey.convert import retarget
+
+            if not (Path(self.from_drafter) / "config.json").is_file():
+                raise ValueError(f"--from-drafter {self.from_drafter}: not a drafter directory (no config.json).")
+            retarget(self.from_drafter, self.target)  # refuses a drafter that cannot serve this target
+        for source in self.prompts:
+            check_dataset_source(source, "--prompts")
+        for source in self.eval_prompts or ():
+            if source not in SUITES + CORPUS_SUITES:
+                check_dataset_source(source, "--eval-prompts")
 
 
 def parse_amount(text: str) -> int:
@@ -132,7 +194,8 @@ class AdaptRun:
         identity = self.settings.identity()
         if self.state_path.is_file():
             state = json.loads(self.state_path.read_text())
-            saved = state["settings"]
+            # a setting a run recorded before it joined the identity had its default then
+            saved = AdaptSettings(target="").identity() | state["settings"]
             changed = {name: (saved.get(name), value) for name, value in identity.items() if saved.get(name) != value}
             if changed:
                 details = "; ".join(f"{name}: {old!r} there, {new!r} asked" for name, (old, new) in changed.items())
@@ -199,6 +262,8 @@ def _prompt_records(source: str, split: str = "train"):
     if split not in dataset:
         raise ValueError(f"The prompt source {source!r} has no {split!r} split (it has {sorted(dataset)}).")
     records = dataset[split]
+    if len(records) == 0:
+        raise ValueError(f"The prompt source {source!r} is empty: its {split!r} split holds no records.")
     columns = set(records.column_names)
     if "messages" in columns:
         return records
@@ -214,9 +279,26 @@ def _prompt_records(source: str, split: str = "train"):
     )
 
 
+def text_format(tokenizer) -> str:
+    """How the target is prompted, adapted and evaluated: `chat` through its chat template, or `text` (a base model
+    with none), whose openings it continues as plain text."""
+    return "chat" if tokenizer.chat_template is not None else "text"
+
+
+def answer_text(record: dict) -> str:
+    """The target-written part of an `answers/train.jsonl` record, chat or plain text."""
+    return record["answer"] if "answer" in record else record["messages"][-1]["content"]
+
+
+def record_text(record: dict) -> str:
+    """The whole text of an `answers/train.jsonl` record, chat or plain text."""
+    return record["text"] if "text" in record else "\n".join(message["content"] for message in record["messages"])
+
+
 def write_answers(run: AdaptRun, target, tokenizer) -> dict:
     """The target's greedy answers to `num_prompts` openings split evenly over the prompt sources, appended line by
-    line to `answers/<i>-<source>.jsonl` (a stopped run resumes), then joined into `answers/train.jsonl`."""
+    line to `answers/<i>-<source>.jsonl` (a stopped run resumes), then joined into `answers/train.jsonl`. A target
+    without a chat template continues each opening as plain text (`trainers.regenerate`)."""
     from .regenerate import RegenerateArguments, regenerate_split
 
     settings = run.settings
@@ -247,23 +329,33 @@ def write_answers(run: AdaptRun, target, tokenizer) -> dict:
             "pass shorter prompts."
         )
     (folder / "train.jsonl").write_text("".join(lines), encoding="utf-8")
-    tokens = sum(len(tokenizer(json.loads(line)["messages"][-1]["content"])["input_ids"]) for line in lines)
-    return {"answers": len(lines), "answer_tokens": tokens, "written_now": written}
+    tokens = sum(len(tokenizer(answer_text(json.loads(line)))["input_ids"]) for line in lines)
+    return {"answers": len(lines), "answer_tokens": tokens, "written_now": written, "format": text_format(tokenizer)}
 
 
 def convert_backbone(run: AdaptRun) -> dict:
     """`osprey convert` into `drafter-init/` (rebuilt whole if a previous attempt stopped). The draft vocabulary is
     counted on the target's answers and on up to `VOCABULARY_CHARACTERS` of each prompt set's conversations: the
-    answers alone are too few tokens to rank a 32k vocabulary, and a chain ends at every token outside it."""
-    from osprey.convert import convert
+    answers alone are too few tokens to rank a 32k vocabulary, and a chain ends at every token outside it. With
+    `from_drafter`, the earlier drafter is taken as it is instead, its draft vocabulary and taps kept
+    (`osprey.convert.retarget`)."""
+    from osprey.convert import convert, retarget
 
     settings = run.settings
     folder = run.stage_dir("drafter-init")
     shutil.rmtree(folder, ignore_errors=True)
+    if settings.from_drafter is not None:
+        _, report = retarget(settings.from_drafter, settings.target, output_dir=folder)
+        _check_export(settings, folder)
+        return {
+            "target_layer_ids": report["target_layer_ids"],
+            "draft_vocab": report.get("draft_vocab"),
+            "parent": settings.from_drafter,
+        }
     corpus = run.stage_dir("answers") / "vocabulary.txt"
     with corpus.open("w", encoding="utf-8") as handle:
         for line in (run.stage_dir("answers") / "train.jsonl").read_text(encoding="utf-8").splitlines():
-            handle.write("\n".join(message["content"] for message in json.loads(line)["messages"]) + "\n")
+            handle.write(record_text(json.loads(line)) + "\n")
         for source in settings.prompts:
             written = 0
             for messages in _prompt_records(source)["messages"]:
@@ -279,7 +371,17 @@ def convert_backbone(run: AdaptRun) -> dict:
         corpus=[corpus] if settings.draft_vocab_size else None,
         output_dir=folder,
     )
+    _check_export(settings, folder)
     return {"target_layer_ids": report["target_layer_ids"], "draft_vocab": report["draft_vocab"]}
+
+
+def _check_export(settings: AdaptSettings, drafter_dir: Path) -> None:
+    """What the requested export needs is known once the drafter is converted: a refusal costs seconds here, not the
+    whole run (training changes nothing it checks)."""
+    if settings.export:
+        from osprey.export import check_exportable
+
+        check_exportable(drafter_dir, settings.export, settings.target)
 
 
 def build_features(run: AdaptRun, target, tokenizer, layer_ids) -> dict:
@@ -381,7 +483,8 @@ def distill_drafter(run: AdaptRun, features: dict) -> dict:
 
 def finish_drafter(run: AdaptRun, decoding: dict) -> dict:
     """The distilled drafter as an ordinary checkpoint in `drafter/`, with the target's tokenizer, its alignment
-    report, training record and the decoding shape it is measured and served with."""
+    report, training record, the decoding shape it is measured and served with, and how it was adapted (its card
+    says on what kind of text)."""
     from osprey.pack import copy_companions, load_drafter
     from osprey.zoo import load_tokenizer
 
@@ -393,7 +496,35 @@ def finish_drafter(run: AdaptRun, decoding: dict) -> dict:
     copy_companions(run.stage_dir("drafter-init"), folder)  # the alignment report
     copy_companions(run.stage_dir("distill"), folder)  # the training record
     (folder / DECODING_NAME).write_text(json.dumps(decoding, indent=2) + "\n")
+    answers = run.state["stages"]["answers"]
+    adaptation = {
+        "target": run.settings.target,
+        "backbone": run.settings.backbone,
+        "parent": run.settings.from_drafter,
+        "prompts": list(run.settings.prompts),
+        "format": answers.get("format", "chat"),
+        "answers": answers["answers"],
+        "answer_tokens": answers["answer_tokens"],
+        "token_passes": run.state["stages"]["distill"]["token_passes"],
+    }
+    (folder / ADAPTATION_RECORD).write_text(json.dumps(adaptation, indent=2) + "\n")
     return {"path": str(folder)}
+
+
+def held_out_prompts(settings: AdaptSettings) -> tuple[list, list[str]]:
+    """The evaluation's prompts (`--eval-prompts`, else `HELD_OUT`'s) and a line for each default suite that could
+    not be had here (Spec-Bench, without a data folder) and was left out."""
+    from osprey.bench_suites import available_suites, load_suite, select_subset
+
+    per_category = dict(HELD_OUT)
+    if settings.eval_prompts:
+        suites, skipped = {source: load_suite(source) for source in settings.eval_prompts}, []
+    else:
+        suites, skipped = available_suites(HELD_OUT_SUITES)
+    prompts = [prompt for name, suite in suites.items() for prompt in select_subset(suite, per_category.get(name), 0)]
+    if not prompts:
+        raise ValueError(f"No held-out prompts to evaluate on ({' '.join(skipped)}): pass --eval-prompts FILE.")
+    return prompts, skipped
 
 
 def evaluate_drafter(run: AdaptRun, target, tokenizer, decoding: dict) -> dict:
@@ -401,7 +532,6 @@ def evaluate_drafter(run: AdaptRun, target, tokenizer, decoding: dict) -> dict:
     at the drafter's decoding shape; both `osprey bench` runs saved in `evaluate/` with their tables."""
     from osprey.bench import BenchMethod, BenchSettings, run_benchmark
     from osprey.bench_report import exit_status, markdown_table, save_report, summarize
-    from osprey.bench_suites import load_suite, select_subset
     from osprey.demo import DEMO_PROMPTS, against_target_alone
     from osprey.pack import load_drafter
 
@@ -409,14 +539,17 @@ def evaluate_drafter(run: AdaptRun, target, tokenizer, decoding: dict) -> dict:
     folder.mkdir(exist_ok=True)
     drafter_dir = run.stage_dir("drafter")
     dtype = getattr(torch, run.settings.dtype)
-    prompts = [prompt for suite, per in HELD_OUT for prompt in select_subset(load_suite(suite), per, 0)]
+    prompts, skipped = held_out_prompts(run.settings)
+    for line in skipped:
+        print(f"evaluate: left out: {line}", file=sys.stderr)
+    chat = text_format(tokenizer) == "chat"  # a base model is measured on plain text, as it was adapted
     drafter = load_drafter(drafter_dir, dtype)
     held_out = run_benchmark(
         target,
         tokenizer,
         [BenchMethod("osprey", f"drafter:{drafter_dir}", drafter=drafter)],
         prompts,
-        BenchSettings(max_new_tokens=run.settings.held_out_tokens, confidence_threshold=0.0),
+        BenchSettings(max_new_tokens=run.settings.held_out_tokens, confidence_threshold=0.0, chat_template=chat),
         output_path=folder / "held-out.json",
         target_name=run.settings.target,
     )
@@ -427,7 +560,7 @@ def evaluate_drafter(run: AdaptRun, target, tokenizer, decoding: dict) -> dict:
             tau[record["suite"] if record["category"] == "overall" else record["category"]] = record["tau"]
     shape = dict(decoding)
     shape.pop("dtype", None)  # the target's, as in the held-out run
-    settings = BenchSettings(max_new_tokens=64, **shape)
+    settings = BenchSettings(max_new_tokens=64, **shape)  # the shape records whether prompts go through a template
     fast = load_drafter(drafter_dir, dtype, quantization=settings.drafter_quantization)
     speed = against_target_alone(
         target,
@@ -449,17 +582,23 @@ def evaluate_drafter(run: AdaptRun, target, tokenizer, decoding: dict) -> dict:
         "speedup": overall["speedup"],
         "speed_tau": overall["tau"],
         "decoding": decoding,
+        "format": "chat" if chat else "text",
+        "left_out": skipped,
         "outputs_checked": not failed,
     }
 
 
 def export_stage(run: AdaptRun) -> dict:
+    """`osprey export` of the drafter into `export/<format>/`; each format asked for on a run or a rerun is kept."""
     from osprey.export import export_drafter
 
-    folder = run.stage_dir("export")
+    export_format = run.settings.export
+    folder = run.stage_dir("export") / export_format
     shutil.rmtree(folder, ignore_errors=True)
-    export_drafter(run.stage_dir("drafter"), run.settings.export, folder, target=run.settings.target)
-    return {"format": run.settings.export, "path": str(folder)}
+    folder.parent.mkdir(exist_ok=True)
+    export_drafter(run.stage_dir("drafter"), export_format, folder, target=run.settings.target)
+    formats = run.state["stages"].get("export", {}).get("formats", {})
+    return {"formats": formats | {export_format: str(folder)}}
 
 
 # ------------------------------------------------------------------------------------------------------------ driver
@@ -476,10 +615,7 @@ def adapt(output_dir: str | os.PathLike, settings: AdaptSettings | None = None, 
     from osprey.model_card import drafter_card
     from osprey.zoo import load_causal_lm, load_tokenizer
 
-    if settings.token_passes is None and settings.budget_minutes is None:
-        raise ValueError("Give a distillation budget: --token-passes (e.g. 80k) or --budget (e.g. 20min).")
-    if settings.export not in (None, *EXPORT_FORMATS):
-        raise ValueError(f"--export takes one of {', '.join(EXPORT_FORMATS)}, not {settings.export!r}.")
+    settings.check()
     run = AdaptRun(output_dir, settings)
     dtype = getattr(torch, settings.dtype)
     target = tokenizer = None
@@ -496,7 +632,8 @@ def adapt(output_dir: str | os.PathLike, settings: AdaptSettings | None = None, 
     features = run.run("features", 3, lambda: build_features(run, *loaded_target(), converted["target_layer_ids"]))
     target = None  # distillation reads the cache: the target's memory goes back while it trains
     run.run("distill", 4, lambda: distill_drafter(run, features))
-    decoding = decoding_shape() | {"dtype": settings.dtype}
+    chat = run.state["stages"]["answers"].get("format", "chat") == "chat"
+    decoding = decoding_shape() | {"dtype": settings.dtype} | ({} if chat else {"chat_template": False})
     run.run("drafter", 5, lambda: finish_drafter(run, decoding))
     if settings.evaluate:
         run.run("evaluate", 6, lambda: evaluate_drafter(run, *loaded_target(), decoding))
@@ -505,7 +642,17 @@ def adapt(output_dir: str | os.PathLike, settings: AdaptSettings | None = None, 
             run.stage_dir("drafter"), f"osprey-drafter-{Path(settings.target).name}", bench_results=bench
         )
         (run.stage_dir("drafter") / "README.md").write_text(str(card), encoding="utf-8")
+    # Nothing leaves the folder (export, push) unless the drafter's outputs passed the lossless check.
+    if not run.state["stages"].get("evaluate", {}).get("outputs_checked", True):
+        print(summary(run))
+        raise RuntimeError(
+            "The drafter's decoded outputs differ from the target's where rounding does not explain it (the tables "
+            f"above, {run.stage_dir('evaluate')}): decoding is not lossless here, so nothing was exported or "
+            "published; please report it."
+        )
     if settings.export:
+        if settings.export not in run.state["stages"].get("export", {}).get("formats", {}):
+            run.state["stages"].get("export", {})["done"] = False  # a rerun asking for another format runs it
         run.run("export", 7, lambda: export_stage(run))
     if settings.push_to_hub:
         from osprey.hub import push_drafter_folder
@@ -516,17 +663,13 @@ def adapt(output_dir: str | os.PathLike, settings: AdaptSettings | None = None, 
         )
         print(f"published {run.stage_dir('drafter')} to {commit.repo_url}")
     print(summary(run))
-    if not run.state["stages"].get("evaluate", {}).get("outputs_checked", True):
-        raise RuntimeError(
-            "The drafter's decoded outputs differ from the target's where rounding does not explain it (the tables "
-            f"above, {run.stage_dir('evaluate')}): decoding is not lossless here; please report it."
-        )
     return run.state
 
 
 def summary(run: AdaptRun) -> str:
     stages = run.state["stages"]
-    lines = [f"adapted {run.settings.backbone} to {run.settings.target} in {run.minutes:.1f} min:"]
+    start = run.settings.from_drafter or run.settings.backbone
+    lines = [f"adapted {start} to {run.settings.target} in {run.minutes:.1f} min:"]
     for stage in STAGES:
         if stage in stages:
             lines.append(f"  {stage:<13} {stages[stage]['minutes']:6.1f} min")
@@ -556,6 +699,12 @@ def add_subcommand(subparsers) -> None:
         "--backbone", default=DEFAULT_BACKBONE, help=f"pretrained backbone (default: {DEFAULT_BACKBONE})"
     )
     parser.add_argument(
+        "--from-drafter",
+        metavar="DIR",
+        help="start from a drafter adapted earlier (`DIR/drafter` of an `osprey adapt` run for an earlier version of "
+        "the target: same tokenizer, width and depth) instead of the backbone; its draft vocabulary and taps are kept",
+    )
+    parser.add_argument(
         "--prompts",
         action="append",
         metavar="SOURCE",
@@ -575,24 +724,36 @@ def add_subcommand(subparsers) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=AdaptSettings.dtype, help="target dtype")
     parser.add_argument("--seed", type=int, default=AdaptSettings.seed)
     parser.add_argument("--no-evaluate", action="store_true", help="skip the held-out τ and the speed check")
+    parser.add_argument(
+        "--eval-prompts",
+        action="append",
+        metavar="SOURCE",
+        help="held-out prompts to measure τ on (repeatable): a suite name or a JSONL file or folder as `osprey bench "
+        f"--prompts` takes them (default: {', '.join(HELD_OUT_SUITES)}; a suite not to be had here is left out)",
+    )
     parser.add_argument("--export", choices=EXPORT_FORMATS, help="also export the drafter (`osprey export --format`)")
     parser.add_argument("--push-to-hub", metavar="REPO", help="publish the drafter with its card")
     parser.set_defaults(run=_run_adapt)
 
 
 def _run_adapt(args) -> int:
+    token_passes = args.token_passes  # 0 stays 0, and is refused as such
+    if token_passes is None and args.budget is None:
+        token_passes = AdaptSettings.token_passes
     settings = AdaptSettings(
         target=args.target,
         backbone=args.backbone,
+        from_drafter=args.from_drafter,
         prompts=tuple(args.prompts or DEFAULT_PROMPTS),
         num_prompts=args.num_prompts,
         max_answer_tokens=args.max_new_tokens,
         draft_vocab_size=args.draft_vocab_size,
-        token_passes=None if args.budget is not None else (args.token_passes or AdaptSettings.token_passes),
+        token_passes=token_passes,
         budget_minutes=args.budget,
         dtype=args.dtype,
         seed=args.seed,
         evaluate=not args.no_evaluate,
+        eval_prompts=tuple(args.eval_prompts) if args.eval_prompts else None,
         export=args.export,
         push_to_hub=args.push_to_hub,
     )

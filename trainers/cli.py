@@ -27,8 +27,16 @@ def add_subcommand(subparsers) -> None:
         parser.add_argument("argv", nargs=argparse.REMAINDER)
         parser.set_defaults(run=lambda args, module=module: importlib.import_module(module).main(args.argv))
 
-    parser = subparsers.add_parser("data", help=f"build the offline training corpora ({', '.join(CORPUS_NAMES)})")
-    parser.add_argument("corpus", choices=CORPUS_NAMES, help="which corpus to build")
+    parser = subparsers.add_parser(
+        "data",
+        help=f"build the offline training corpora ({', '.join(CORPUS_NAMES)}), or the evaluation prompts' fingerprints",
+    )
+    parser.add_argument(
+        "corpus",
+        choices=(*CORPUS_NAMES, "eval-fingerprints"),
+        help="which corpus to build; eval-fingerprints: write the fingerprints of the Spec-Bench and MT-Bench prompts "
+        "that sharegpt keeps out, shipped with the package, from the data folder",
+    )
     parser.add_argument("--cache-dir", help="cache root (default: $OSPREY_HOME or ~/.cache/osprey)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the corpus is already built")
     parser.add_argument(
@@ -37,7 +45,20 @@ def add_subcommand(subparsers) -> None:
         type=Path,
         metavar="FILE",
         help="sharegpt: JSONL files of evaluation prompts (a `turns` list per line) whose conversations are dropped "
-        "(default: Spec-Bench and MT-Bench from the shared data folder)",
+        "in addition to Spec-Bench's and MT-Bench's, whose fingerprints ship with the package",
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        metavar="DIR",
+        help="eval-fingerprints: folder with spec_bench/question.jsonl and mt_bench/<lang>.jsonl (default: "
+        "$OSPREY_DATA_DIR or ../shared/data beside the repository)",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        metavar="FILE",
+        help="eval-fingerprints: where to write them (default: the package's, trainers/eval_prompt_fingerprints.json)",
     )
     parser.add_argument(
         "--tokenizer",
@@ -67,8 +88,20 @@ def add_subcommand(subparsers) -> None:
 
 
 def _run_data(args) -> int:
-    from .data import prepare_general, prepare_multilingual, prepare_multilingual_chat, prepare_sharegpt
+    from .data import (
+        EVAL_PROMPT_FINGERPRINTS,
+        prepare_general,
+        prepare_multilingual,
+        prepare_multilingual_chat,
+        prepare_sharegpt,
+        write_eval_fingerprints,
+    )
 
+    if args.corpus != "eval-fingerprints" and (args.data_dir or args.output):
+        raise ValueError("--data-dir and --output apply to eval-fingerprints only.")
+    if args.corpus == "eval-fingerprints":
+        print(write_eval_fingerprints(args.data_dir, args.output or EVAL_PROMPT_FINGERPRINTS))
+        return 0
     if args.corpus != "multilingual" and (args.tokenizer or args.lock):
         raise ValueError("--tokenizer and --lock apply to the multilingual corpus only.")
     caps = {"max_per_language": args.max_per_language, "max_test_per_language": args.max_test_per_language}

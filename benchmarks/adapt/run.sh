@@ -11,7 +11,7 @@
 # 2. Held-out tau (chains, greedy, 48 new tokens, bf16 target) of the adapted drafter on the sets the controls were
 #    measured on, in one results file each with them: the runs resume a copy of the committed results, so only the
 #    adapted drafter's requests run and every method decodes the same prompts the same way.
-#    - Qwen: the held-out multilingual-chat openings (8 per language group) and the fixed 25-prompt English subset
+#    - Qwen: the held-out multilingual-chat openings (8 per language group) and the replication's mixed 25-prompt set (16 not English)
 #      (languages_qwen.sh measure): the EAGLE-3 control `eagle3-mixed-step1095` (1.25 M token-passes on 2,600
 #      answers, half ShareGPT, half multilingual-chat), the shipped drafter `shipped-full-budget` (5 M), the converted
 #      backbone `converted` (0 token-passes).
