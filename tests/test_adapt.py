@@ -136,9 +136,11 @@ def _replace(settings: AdaptSettings, **changes) -> AdaptSettings:
     return AdaptSettings(**(vars(settings) | changes))
 
 
-def test_bad_input_is_refused_in_one_line_before_anything_is_written(tiny_models, tmp_path, capsys):
+def test_bad_input_is_refused_in_one_line_before_anything_is_written(tiny_models, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # the Hub unreachable, at once
     output = tmp_path / "run"
     cases = [
+        (dict(target="someone/no-such-model"), "--target .*Hub did not give its config .*hf auth login"),
         (dict(target="qwen2.5-coder-1.5b-instrukt"), "--target .* Did you mean 'qwen2.5-coder-1.5b-instruct'"),
         (dict(target=str(tmp_path)), "--target .*no config.json"),
         (dict(backbone="osprey-backbone-qwen2.5-0.5b"), "--backbone .* Did you mean"),
