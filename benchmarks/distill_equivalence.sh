@@ -21,7 +21,7 @@ mkdir -p "$RUNS"
 [ -f "$RUNS/init/model.safetensors" ] || PYTHONPATH=$PWD $PY -c "
 import sys, torch
 from modeling_osprey import OspreyConfig, OspreyForDrafting
-from osprey.zoo import load_tokenizer
+from osprey.models.zoo import load_tokenizer
 torch.manual_seed(0)
 config = OspreyConfig(vocab_size=49152, draft_vocab_size=8192, target_hidden_size=576, target_layer_ids=[1, 14, 26])
 OspreyForDrafting(config).save_pretrained(sys.argv[1])

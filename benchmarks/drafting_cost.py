@@ -20,8 +20,8 @@ from microbench import report
 
 from modeling_osprey.generation_osprey import DraftState, draft_chain, draft_tree
 from osprey import OspreyConfig, OspreyForDrafting
-from osprey.demo import QWEN_DEMO_DRAFTER_DIR
-from osprey.pack import load_drafter
+from osprey.measuring.demo import QWEN_DEMO_DRAFTER_DIR
+from osprey.models.pack import load_drafter
 
 PROMPT_LENGTH, NEW_PER_STEP = 300, 2
 

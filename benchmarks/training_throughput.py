@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = run_worker(REPO, "configs")
     if {"pretrain-smollm2-2l", "features"} & set(args.configs):
         # stage 2 reads its tokenizer, feature extraction its target, from the zoo's cache (both versions' workers)
-        from osprey.zoo import fetch
+        from osprey.models.zoo import fetch
 
         fetch("smollm2-135m-instruct")
 

@@ -7,6 +7,6 @@ loader every command uses: checkpoint directories, Hub ids and packed drafters a
 
 from modeling_osprey import OspreyConfig, OspreyForDrafting, OspreyModel
 
-from .pack import load_drafter
+from .models.pack import load_drafter
 
 __all__ = ["OspreyConfig", "OspreyForDrafting", "OspreyModel", "load_drafter"]

@@ -14,19 +14,19 @@ import importlib
 import sys
 
 SUBCOMMAND_MODULES = (
-    "osprey.zoo",  # fetch
-    "osprey.prune",  # stage 1
+    "osprey.models.zoo",  # fetch
+    "osprey.stages.prune",  # stage 1
     "trainers.cli",  # stages 2 and 4: data, pretrain, features, distill
-    "osprey.convert",  # stage 3
-    "osprey.baselines",  # the controls Osprey is measured against
-    "osprey.decode",  # stage 5
-    "osprey.bench",
-    "osprey.export",  # to vLLM / SGLang
-    "osprey.tune",  # the draft length per batch size for vLLM
-    "osprey.hub",  # push
-    "osprey.demo",  # the main job on the packaged drafter
+    "osprey.stages.convert",  # stage 3
+    "osprey.stages.baselines",  # the controls Osprey is measured against
+    "osprey.decoding.decode",  # stage 5
+    "osprey.measuring.bench",
+    "osprey.serving.export",  # to vLLM / SGLang
+    "osprey.serving.tune",  # the draft length per batch size for vLLM
+    "osprey.models.hub",  # push
+    "osprey.measuring.demo",  # the main job on the packaged drafter
     "trainers.adapt",  # stages 3 to 5 for a user's target, in one command
-    "osprey.pack",  # pack, unpack
+    "osprey.models.pack",  # pack, unpack
 )
 
 

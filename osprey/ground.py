@@ -9,8 +9,8 @@
 - the script a letter is written in (`letter_script`) and the one most of a text's letters are in (`text_script`), for
   the corpora's and the benchmarks' script counts.
 
-Model loading by zoo name, directory or Hub id is `osprey.zoo` (it builds on this module), and drafter loading is
-`osprey.pack.load_drafter`.
+Model loading by zoo name, directory or Hub id is `osprey.models.zoo` (it builds on this module), and drafter loading is
+`osprey.models.pack.load_drafter`.
 """
 
 import collections

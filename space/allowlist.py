@@ -19,9 +19,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from modeling_osprey.generation_osprey import DRAFTING_SETTINGS
 from osprey import OspreyConfig
-from osprey.demo import DEMOS
-from osprey.pack import load_drafter
-from osprey.zoo import ZOO, load_causal_lm, load_tokenizer
+from osprey.measuring.demo import DEMOS
+from osprey.models.pack import load_drafter
+from osprey.models.zoo import ZOO, load_causal_lm, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class ModelCatalog:
         """Reads an allow-list file (format in space/README.md). Drafters given as local paths that do not exist are
         left out with a warning, so a Space lists only what it can serve. A drafter given as `{"demo": ZOO_NAME}` is
         the one `osprey demo` ships for that target, with the demo's measured dtype and decoding settings
-        (`osprey.demo.DEMOS`, read here, never copied)."""
+        (`osprey.measuring.demo.DEMOS`, read here, never copied)."""
         path = Path(path)
         spec = json.loads(path.read_text())
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -167,7 +167,7 @@ def _demo_drafter(entry: dict, target_name: str, drafter_name: str, path: Path) 
             f"{', '.join(DEMOS)}."
         )
     unknown = set(DEMOS[demo_target].settings) - {*PAGE_SETTINGS, "drafter_quantization"}
-    if unknown:  # osprey.demo measured a setting the page has no control for
+    if unknown:  # osprey.measuring.demo measured a setting the page has no control for
         raise ValueError(
             f"osprey demo's settings for {demo_target} include {', '.join(sorted(unknown))}, which the Space cannot "
             "set: add a control for it (space/app.py, live_decoding.py) and to PAGE_SETTINGS (space/allowlist.py)."

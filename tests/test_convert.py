@@ -21,12 +21,13 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from osprey import OspreyForDrafting, zoo
-from osprey import convert as convert_module
-from osprey.convert import convert
-from osprey.pack import load_drafter, pack_drafter
-from osprey.prune import prune
-from osprey.vocab_alignment import align_vocabularies
+from osprey import OspreyForDrafting
+from osprey.models import zoo
+from osprey.models.pack import load_drafter, pack_drafter
+from osprey.stages import convert as convert_module
+from osprey.stages.convert import convert
+from osprey.stages.prune import prune
+from osprey.stages.vocab_alignment import align_vocabularies
 
 BACKBONES = {
     "llama": (LlamaConfig, LlamaForCausalLM),

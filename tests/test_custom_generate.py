@@ -21,7 +21,7 @@ from test_decoding import (
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TextStreamer
 
-from osprey.decode import speculative_generate
+from osprey.decoding.decode import speculative_generate
 
 # Runs in a fresh interpreter: the osprey package, modeling_osprey and trainers are unimportable there.
 ISOLATED = r"""

@@ -1,4 +1,4 @@
-"""Lossless speculative decoding: `target.generate(ids, assistant_model=drafter)` and `osprey.decode`."""
+"""Lossless speculative decoding: `target.generate(ids, assistant_model=drafter)` and `osprey.decoding.decode`."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 import modeling_osprey.decoding_osprey as decoding_osprey
 import modeling_osprey.generation_osprey as generation_osprey
 from osprey import OspreyConfig, OspreyForDrafting
-from osprey.decode import sampling_processors, speculative_generate
+from osprey.decoding.decode import sampling_processors, speculative_generate
 
 
 def random_drafter(target, seed: int = 0, **overrides) -> OspreyForDrafting:

@@ -15,12 +15,12 @@ from test_near_tie import take_the_second_best
 
 from osprey import OspreyForDrafting
 from osprey.cli import main
-from osprey.compact import PACK_MANIFEST, PACK_WEIGHTS, read_manifest
-from osprey.decode import speculative_generate
-from osprey.demo import DEMO_CONFIDENCE_THRESHOLD, DEMO_PROMPTS, DEMO_TARGET, DEMOS, REPOSITORY_DRAFTERS
-from osprey.near_tie import ROUNDING, UNEXPLAINED
-from osprey.pack import PACKED_WEIGHTS, load_drafter, pack_drafter
-from osprey.zoo import ZOO
+from osprey.decoding.decode import speculative_generate
+from osprey.decoding.near_tie import ROUNDING, UNEXPLAINED
+from osprey.measuring.demo import DEMO_CONFIDENCE_THRESHOLD, DEMO_PROMPTS, DEMO_TARGET, DEMOS, REPOSITORY_DRAFTERS
+from osprey.models.compact import PACK_MANIFEST, PACK_WEIGHTS, read_manifest
+from osprey.models.pack import PACKED_WEIGHTS, load_drafter, pack_drafter
+from osprey.models.zoo import ZOO
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 PILOT = "smollm2-135m-instruct"
@@ -160,7 +160,8 @@ def test_packaged_drafter_drafts_for_the_real_target(smollm2_cache, monkeypatch,
 @pytest.mark.network
 def test_demo_in_bf16_explains_every_difference_and_fails_on_a_wrong_verification(smollm2_cache, monkeypatch, tmp_path):
     """In bfloat16 an output may leave the target's own decoding only where the replay shows rounding flipped a near
-    tie (`osprey.near_tie.replay`); the control, a verification that takes the target's second-best token, makes
+    tie (`osprey.decoding.near_tie.replay`); the control, a verification that takes the target's second-best token,
+    makes
     `osprey demo` fail, every one of its differing outputs flagged."""
     monkeypatch.setenv("OSPREY_HOME", str(smollm2_cache))
     command = ["demo", "--target", PILOT, "--drafter", str(PILOT_DRAFTER_DIR), "--max-new-tokens", "24"]
@@ -179,7 +180,7 @@ def test_demo_in_bf16_explains_every_difference_and_fails_on_a_wrong_verificatio
 
 def test_demo_loads_the_shipped_drafter_in_its_measured_quantization_unless_told(monkeypatch):
     """The Qwen demo drafts with the int8 drafter it was measured with; `--drafter-quantization none` overrides it."""
-    import osprey.demo
+    import osprey.measuring.demo
 
     seen = []
 
@@ -187,10 +188,10 @@ def test_demo_loads_the_shipped_drafter_in_its_measured_quantization_unless_told
         seen.append(quantization)
         raise RuntimeError("loaded")
 
-    monkeypatch.setattr(osprey.demo, "load_drafter", loading)
-    monkeypatch.setattr(osprey.demo, "_announce_fetches", lambda *args: None)
+    monkeypatch.setattr(osprey.measuring.demo, "load_drafter", loading)
+    monkeypatch.setattr(osprey.measuring.demo, "_announce_fetches", lambda *args: None)
     for override in (None, "none"):
         with pytest.raises(RuntimeError, match="loaded"):
-            osprey.demo.run_demo(DEMO_TARGET, drafter_quantization=override)
+            osprey.measuring.demo.run_demo(DEMO_TARGET, drafter_quantization=override)
     assert seen == ["int8", "none"]
     assert DEMOS[DEMO_TARGET].settings["drafter_quantization"] == "int8"

@@ -23,9 +23,9 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from osprey import OspreyConfig, OspreyForDrafting
-from osprey import export as export_module
-from osprey.export import SGLANG, SPECULATORS, VLLM, export_drafter
-from osprey.vllm_schedule import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_SCHEDULE
+from osprey.serving import export as export_module
+from osprey.serving.export import SGLANG, SPECULATORS, VLLM, export_drafter
+from osprey.serving.vllm_schedule import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_SCHEDULE
 
 TAPS = [1, 3, 6]
 FUSED_SHARDS = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj"}

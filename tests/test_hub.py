@@ -1,4 +1,4 @@
-"""Publishing to the Hub (`osprey push`, `osprey.hub.push_drafter`), over real HTTP against the local fake Hub of
+"""Publishing to the Hub (`osprey push`, `osprey.models.hub.push_drafter`), over real HTTP against the local fake Hub of
 `hub_server.py`: what is uploaded, the generated model card, loading the drafter back with remote code, and that
 failed uploads change nothing local and say what to retry."""
 
@@ -20,11 +20,12 @@ from test_convert import tiny_backbone, tiny_target_config
 from test_vocab_alignment import byte_level_tokenizer, metaspace_tokenizer
 from transformers import AutoModelForCausalLM
 
-from osprey import OspreyForDrafting, zoo
+from osprey import OspreyForDrafting
 from osprey.cli import main
-from osprey.convert import convert
-from osprey.hub import push_drafter
-from osprey.model_card import TAGS, ZOO_HUB_IDS, drafter_card, hub_model_id
+from osprey.models import zoo
+from osprey.models.hub import push_drafter
+from osprey.models.model_card import TAGS, ZOO_HUB_IDS, drafter_card, hub_model_id
+from osprey.stages.convert import convert
 
 TARGET_ID = "acme/tiny-gemma"
 REMOTE_CODE = {

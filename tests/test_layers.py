@@ -4,6 +4,15 @@
     osprey            (floor 1: the pipeline and its ground module)
     trainers, space, benchmarks   (floor 2: each builds on the floors below, never on one another)
 
+Inside `osprey`, the sub-packages have an order of their own (`ROOMS`): each imports only its own room and the rooms
+ranked below it; two rooms of one rank (`stages`, `decoding`) never import each other.
+
+    ground            (osprey/ground.py: the helpers every room shares)
+    models            (the zoo, model loading, the packed format, the model card and publishing)
+    stages, decoding  (prune / convert / baselines; speculative decoding and its near-tie check)
+    measuring         (bench, its suites and report, demo)
+    serving           (export, the vLLM schedule, tune)
+
 `osprey/cli.py`, the one `osprey` command entry, may dispatch to every floor. The checker reads the source (it imports
 nothing), so an import inside a function counts like one at the top; an `importlib.import_module` with a computed name
 counts as importing every project module named by a string in that file.
@@ -109,11 +118,19 @@ def test_every_floor_imports_only_the_floors_below_it():
 @pytest.mark.parametrize(
     "path, source, expected",
     [
-        ("osprey/bench_suites.py", "def f():\n    from trainers.data import x\n", "imports trainers.data, floor 2"),
-        ("osprey/zoo.py", "import importlib\nimportlib.import_module('space.app')\n", "imports space.app, floor 2"),
+        (
+            "osprey/measuring/bench_suites.py",
+            "def f():\n    from trainers.data import x\n",
+            "imports trainers.data, floor 2",
+        ),
+        (
+            "osprey/models/zoo.py",
+            "import importlib\nimportlib.import_module('space.app')\n",
+            "imports space.app, floor 2",
+        ),
         ("trainers/data.py", "from space import allowlist\n", "imports space, floor 2"),
         ("trainers/data.py", "M = 'benchmarks.x'\nimportlib.import_module(M)\n", "imports benchmarks.x"),
-        ("modeling_osprey/modeling_osprey.py", "def f():\n    from osprey.hub import push\n", "cannot count on"),
+        ("modeling_osprey/modeling_osprey.py", "def f():\n    from osprey.models.hub import push\n", "cannot count on"),
         ("modeling_osprey/modeling_osprey.py", "from modeling_osprey import configuration_osprey\n", "absolutely"),
     ],
 )
@@ -171,7 +188,7 @@ def test_no_two_modules_import_each_other():
 # Code that runs in vLLM's own environment, where the osprey package is not installed (its transformers pin conflicts
 # with vLLM's): the osprey-vllm plugin and the scripts that drive vLLM engines.
 VLLM_SIDE = sorted((ROOT / "serving" / "vllm").rglob("*.py")) + [
-    ROOT / "osprey" / "vllm_engine.py",
+    ROOT / "osprey" / "serving" / "vllm_engine.py",
     ROOT / "tests" / "vllm_engine.py",
     ROOT / "tests" / "vllm_v2_calls.py",
 ]
@@ -188,4 +205,56 @@ def test_code_run_in_vllms_environment_imports_nothing_of_the_project():
         str(path.relative_to(ROOT)): [] for path in VLLM_SIDE
     }
     # The control: a lazy import of the pipeline is found.
-    assert project_imports(VLLM_SIDE[0], "def f():\n    from osprey.export import VLLM\n") == ["osprey.export"]
+    assert project_imports(VLLM_SIDE[0], "def f():\n    from osprey.serving.export import VLLM\n") == [
+        "osprey.serving.export"
+    ]
+
+
+# Rooms of `osprey`, by rank: a module imports its own room and the rooms ranked below its own. `osprey/__init__.py`
+# (the package's face: the classes and `load_drafter`) ranks with `models`; `osprey/cli.py` may import every room.
+ROOMS = {"ground": 0, "models": 1, "stages": 2, "decoding": 2, "measuring": 3, "serving": 4}
+
+
+def room_of(module: str) -> str:
+    """The room of a dotted `osprey` module name (`osprey.models.zoo` -> models, `osprey.ground` -> ground)."""
+    parts = module.split(".")
+    return "models" if len(parts) == 1 else parts[1]
+
+
+def room_violations(path: Path, source: str | None = None) -> list[str]:
+    """Why `path`'s imports break the order of `osprey`'s rooms (empty when they do not)."""
+    source = path.read_text(encoding="utf-8") if source is None else source
+    own = room_of(module_name(path))
+    problems = []
+    for line, module in imported_modules(source, path):
+        if module.split(".")[0] != "osprey":
+            continue
+        room = room_of(module)
+        if room != own and ROOMS[room] >= ROOMS[own]:
+            problems.append(f"{path.relative_to(ROOT)}:{line} imports {module}, room {room} (its own: {own})")
+    return problems
+
+
+def test_osprey_rooms_import_only_the_rooms_below_them():
+    files = [path for path in sorted((ROOT / "osprey").rglob("*.py")) if path != CLI_ENTRY]
+    assert {room_of(module_name(path)) for path in files} == set(ROOMS)
+    assert [problem for path in files for problem in room_violations(path)] == []
+    for room in set(ROOMS) - {"ground"}:  # each room says what it holds and what it may import
+        assert "May import" in (ROOT / "osprey" / room / "__init__.py").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    "path, source, expected",
+    [
+        ("osprey/models/zoo.py", "from ..measuring.bench import x\n", "imports osprey.measuring.bench, room measuring"),
+        ("osprey/stages/convert.py", "def f():\n    from ..decoding import decode\n", "room decoding"),
+        ("osprey/decoding/decode.py", "from osprey.stages.prune import prune\n", "room stages"),
+        ("osprey/measuring/bench.py", "import importlib\nimportlib.import_module('osprey.serving.tune')\n", "serving"),
+        ("osprey/ground.py", "from .models.zoo import ZOO\n", "room models (its own: ground)"),
+    ],
+)
+def test_the_room_checker_catches_imports_up_or_across(path, source, expected):
+    """The control: an import of a higher room, lazy or by importlib, and one across a rank, are each reported."""
+    problems = room_violations(ROOT / path, source)
+    assert len(problems) == 1 and expected in problems[0], problems
+    assert room_violations(ROOT / "osprey" / "serving" / "tune.py", source.replace("serving", "measuring")) == []

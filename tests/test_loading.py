@@ -19,11 +19,11 @@ import pytest
 import torch
 from test_bench import models  # noqa: F401 (fixture: a near-copy target and drafter, a char tokenizer)
 
-from osprey.bench import load_method
 from osprey.cli import main
-from osprey.decode import encode_prompt, speculative_generate, target_generate
-from osprey.demo import REPOSITORY_DRAFTERS
-from osprey.pack import load_drafter, pack_drafter
+from osprey.decoding.decode import encode_prompt, speculative_generate, target_generate
+from osprey.measuring.bench import load_method
+from osprey.measuring.demo import REPOSITORY_DRAFTERS
+from osprey.models.pack import load_drafter, pack_drafter
 
 PROMPT = "abc abc abc"
 # The SmolLM2 pilot, packed as int8 rows, kept in the repository (not shipped)
@@ -81,7 +81,7 @@ def test_target_alone_ignores_the_target_generation_config_filters(saved):
     n-grams) plain `generate` decodes something else than the speculative loop, whose output `target_generate`
     reproduces."""
     target_dir, drafter_dir = saved
-    from osprey.zoo import load_causal_lm, load_tokenizer
+    from osprey.models.zoo import load_causal_lm, load_tokenizer
 
     target, tokenizer = load_causal_lm(target_dir).eval(), load_tokenizer(target_dir)
     input_ids = encode_prompt(tokenizer, PROMPT)
@@ -167,7 +167,7 @@ def test_pilot_drafter_unpacks_and_drafts_for_its_target_without_the_package(smo
     without the package, names its target, and through `target.generate(ids, assistant_model=drafter)` gives the
     target's own greedy output with more than one token per target forward."""
     monkeypatch.setenv("OSPREY_HOME", str(smollm2_cache))
-    from osprey.zoo import fetch, load_tokenizer
+    from osprey.models.zoo import fetch, load_tokenizer
 
     assert main(["unpack", "--drafter", str(PILOT_DRAFTER_DIR), "--output", str(tmp_path / "unpacked")]) == 0
     target_name = load_drafter(tmp_path / "unpacked").config.target_name_or_path
@@ -210,8 +210,8 @@ def test_shipped_qwen_drafter_unpacks_and_drafts_for_its_target_without_the_pack
     """The same bar for the drafter `osprey demo` runs by default, packed against its zoo backbone: unpacking rebuilds
     its frozen tensors from qwen2.5-coder-0.5b-instruct (checked by SHA-256), and the checkpoint drafts for the
     1.5B target with transformers alone, token-identically (float32), more than one token per target forward."""
-    from osprey.demo import QWEN_DEMO_DRAFTER_DIR
-    from osprey.zoo import fetch, load_tokenizer
+    from osprey.measuring.demo import QWEN_DEMO_DRAFTER_DIR
+    from osprey.models.zoo import fetch, load_tokenizer
 
     assert main(["unpack", "--drafter", str(QWEN_DEMO_DRAFTER_DIR), "--output", str(tmp_path / "unpacked")]) == 0
     target_name = load_drafter(tmp_path / "unpacked").config.target_name_or_path
@@ -226,7 +226,7 @@ def test_int8_drafter_drafts_as_well_and_decodes_exactly_like_the_target(saved):
     """`load_drafter(..., quantization="int8")`: every linear layer becomes a dynamic int8 one, the drafter still
     drafts what it did (the near-copy drafter's τ stays high) and the output stays the target's own, for chains,
     trees and through `osprey bench`, which records the setting."""
-    from osprey.zoo import load_causal_lm, load_tokenizer
+    from osprey.models.zoo import load_causal_lm, load_tokenizer
 
     target_dir, drafter_dir = saved
     target, tokenizer = load_causal_lm(target_dir).eval(), load_tokenizer(target_dir)

@@ -7,7 +7,7 @@ from pathlib import Path
 import evaluate
 import pytest
 
-from osprey.bench_report import summarize
+from osprey.measuring.bench_report import summarize
 
 METRICS = Path(__file__).resolve().parents[1] / "metrics"
 # Two requests: steps that accepted 2, 0 and 5 of 5 drafts, then one step accepting 1 of 3.

@@ -341,9 +341,9 @@ def test_multilingual_chat_without_non_english_prose_is_a_clear_error(tmp_path, 
 
 
 def test_multilingual_chat_bench_suite_is_the_held_out_split_by_language_group(tmp_path, chat_downloads, monkeypatch):
-    from osprey import bench_suites
-    from osprey.bench_suites import load_suite, select_subset
     from osprey.cli import main
+    from osprey.measuring import bench_suites
+    from osprey.measuring.bench_suites import load_suite, select_subset
 
     # Missing, the corpus is built by `osprey data multilingual-chat`, run here in-process on the fixture's sources.
     monkeypatch.setattr(multilingual, "MULTILINGUAL_SOURCES", chat_sources())

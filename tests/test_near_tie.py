@@ -1,4 +1,5 @@
-"""`osprey.near_tie`: an output that differs from the target alone's is replayed at its first differing token: the
+"""`osprey.decoding.near_tie`: an output that differs from the target alone's is replayed at its first differing token:
+the
 token must be the argmax of the verification forward that decided it, and that forward's logits must agree with a
 clean forward's within rounding ("rounding (shape-dependent)"), else "UNEXPLAINED". Failing controls: a verifier
 that emits a non-argmax token (a wrong decision) and one that keeps the wrong tree nodes in the cache (a wrong
@@ -17,13 +18,11 @@ from test_decoding import near_copy_pair
 from test_trainers import char_tokenizer
 
 import modeling_osprey.decoding_osprey as decoding_osprey
-import osprey.bench
-import osprey.demo
-from osprey.bench import BenchMethod, BenchSettings, label_divergences, output_sha256, run_benchmark
-from osprey.bench_report import DIFFERENCES_NOTE, UNCHECKED, exit_status, fails, markdown_table
+import osprey.measuring.bench
+import osprey.measuring.demo
 from osprey.cli import main
-from osprey.decode import speculative_generate, target_generate
-from osprey.near_tie import (
+from osprey.decoding.decode import speculative_generate, target_generate
+from osprey.decoding.near_tie import (
     NEAR_TIE,
     ROUNDING,
     UNEXPLAINED,
@@ -33,6 +32,8 @@ from osprey.near_tie import (
     replay,
     upcast,
 )
+from osprey.measuring.bench import BenchMethod, BenchSettings, label_divergences, output_sha256, run_benchmark
+from osprey.measuring.bench_report import DIFFERENCES_NOTE, UNCHECKED, exit_status, fails, markdown_table
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks" / "numerics"))  # old_results.py, beside its script
 import old_results  # noqa: E402
@@ -264,7 +265,7 @@ def test_the_float32_margin_is_left_out_where_the_target_does_not_fit(monkeypatc
         raise RuntimeError("DefaultCPUAllocator: not enough memory (forced)")
 
     take_the_second_best(monkeypatch)
-    monkeypatch.setattr(osprey.bench, "upcast", out_of_memory)
+    monkeypatch.setattr(osprey.measuring.bench, "upcast", out_of_memory)
     rows = [row for row in _bf16_bench()["requests"] if row["method"] == "osprey"]
     assert [row["divergence"]["label"] for row in rows] == [UNEXPLAINED] * len(PROMPTS)
     assert all(row["divergence"]["margin"] is None for row in rows)
@@ -331,7 +332,7 @@ def test_a_difference_left_unchecked_fails_bench_and_demo_unless_allowed(monkeyp
     drafter.save_pretrained(tmp_path / "drafter")
     _write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p.text, "category": p.category} for p in PROMPTS])
     take_the_second_best(monkeypatch)  # every output differs
-    monkeypatch.setattr(osprey.bench, "label_divergences", lambda *args: None)
+    monkeypatch.setattr(osprey.measuring.bench, "label_divergences", lambda *args: None)
     argv = ["bench", "--target", str(tmp_path / "target"), "--drafter", f"osprey={tmp_path / 'drafter'}"]
     argv += ["--prompts", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "8", "--device", "cpu"]
     assert main([*argv, "--output", str(tmp_path / "unchecked.json")]) == 1
@@ -341,7 +342,7 @@ def test_a_difference_left_unchecked_fails_bench_and_demo_unless_allowed(monkeyp
     assert record["differences"][UNCHECKED] == len(PROMPTS) and f"{len(PROMPTS)} {UNCHECKED}" in markdown_table(results)
     assert main([*argv, "--output", str(tmp_path / "allowed.json"), "--allow-unchecked"]) == 0
 
-    monkeypatch.setattr(osprey.demo, "run_demo", lambda *args, **kwargs: results)
+    monkeypatch.setattr(osprey.measuring.demo, "run_demo", lambda *args, **kwargs: results)
     assert main(["demo"]) == 1
     assert main(["demo", "--allow-unchecked"]) == 0
 

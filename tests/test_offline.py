@@ -15,7 +15,7 @@ import pytest
 from conftest import make_tiny_target
 from test_trainers import char_tokenizer
 
-from osprey.bench_suites import available_suites, load_suite
+from osprey.measuring.bench_suites import available_suites, load_suite
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 # What the `osprey` CLI imports; the packaged drafters and backbones are left behind, no command here reads them.

@@ -9,8 +9,8 @@ import torch
 from test_vocab_alignment import byte_level_tokenizer
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from osprey import prune as prune_module
-from osprey.prune import block_influence, perplexity, prune
+from osprey.stages import prune as prune_module
+from osprey.stages.prune import block_influence, perplexity, prune
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 TEXT = "hello world, the wonder of the world is hello again.\n" * 4

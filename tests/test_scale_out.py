@@ -36,7 +36,7 @@ from scale_out_driver import run
 from test_trainers import TAPS, char_tokenizer, mixed_length_dataset, text_dataset, tiny_drafter
 
 from osprey import OspreyForDrafting
-from osprey.pack import load_drafter
+from osprey.models.pack import load_drafter
 from trainers import build_feature_cache
 
 ROOT = Path(__file__).resolve().parents[1]

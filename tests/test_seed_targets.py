@@ -13,9 +13,9 @@ from test_trainers import distill_config, logged, token_dataset
 from test_vocab_alignment import byte_level_tokenizer
 from transformers import LlamaConfig, MiniMaxM2Config, Qwen3Config
 
-from osprey import convert as convert_module
-from osprey.convert import convert, drafter_config
-from osprey.presets import PRESETS, resolve_preset
+from osprey.stages import convert as convert_module
+from osprey.stages.convert import convert, drafter_config
+from osprey.stages.presets import PRESETS, resolve_preset
 from trainers import OspreyDistillTrainer
 
 # Each architecture's special tokens as its chat template uses them; the first three are unk, bos and eos.

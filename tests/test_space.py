@@ -17,9 +17,9 @@ from test_decoding import near_copy_pair, random_drafter
 from test_near_tie import take_the_second_best
 from test_vocab_alignment import byte_level_tokenizer
 
-from osprey.decode import speculative_generate
-from osprey.demo import DEMO_TARGET, DEMOS
-from osprey.pack import load_drafter, pack_drafter
+from osprey.decoding.decode import speculative_generate
+from osprey.measuring.demo import DEMO_TARGET, DEMOS
+from osprey.models.pack import load_drafter, pack_drafter
 
 # space/ is the Space's root folder, not a package: its modules import each other by plain name.
 SPACE_DIR = Path(__file__).resolve().parents[1] / "space"
@@ -86,7 +86,8 @@ def test_generate_streams_highlighted_osprey_output_equal_to_the_target_alone(sp
 
 def test_a_differing_output_is_replayed_and_a_wrong_decision_reported(space, tiny_models, monkeypatch):
     """Equal outputs get no note; a verification that takes the target's second-best token (the control) makes the
-    outputs differ, and the page says where and that the replay finds a decoding bug (`osprey.near_tie.replay`)."""
+    outputs differ, and the page says where and that the replay finds a decoding bug
+    (`osprey.decoding.near_tie.replay`)."""
     final = dict(zip(OUTPUT_NAMES, list(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 40))[-1]))
     assert "outputs differ" not in final["tree"]
     take_the_second_best(monkeypatch)

@@ -1235,7 +1235,7 @@ def test_frozen_embedding_and_lm_head_stay_copies_of_the_backbone(tmp_path):
 
 def test_pretraining_resumes_its_schedule_from_a_packed_checkpoint(tmp_path):
     """What a fresh machine does with a committed stage-2 pack: unpack it as a checkpoint and resume from it."""
-    from osprey.compact import pack, unpack
+    from osprey.models.compact import pack, unpack
 
     init = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2)
     init.save_pretrained(tmp_path / "init")
@@ -1274,7 +1274,7 @@ def test_pretraining_resumes_its_schedule_from_a_packed_checkpoint(tmp_path):
 def converted_drafter(tmp_path, draft_vocab_size: int | None = 40):
     """A tiny Llama backbone, a drafter `osprey convert` made from it for a tiny Llama target (both speaking
     `char_tokenizer`, so every text token maps directly), that target, and the tokenizer."""
-    from osprey.convert import convert
+    from osprey.stages.convert import convert
 
     tokenizer = char_tokenizer()
     backbone = make_tiny_target("llama", vocab_size=128, num_hidden_layers=2, hidden_size=32, intermediate_size=64)
@@ -1551,7 +1551,7 @@ def test_the_controls_are_distilled_without_a_pretrained_learning_rate_scale_by_
     """`osprey baseline scratch` keeps the converted config (its backbone_model_type too) but its blocks are random.
     The library reads only the config, so it takes the option for the scratch control as for any converted drafter;
     the experiment's driver (benchmarks/replication/languages_qwen.sh) refuses a control with the option (`-slow`)."""
-    from osprey.baselines import build_baseline
+    from osprey.stages.baselines import build_baseline
 
     _, drafter, target, tokenizer = converted_drafter(tmp_path, draft_vocab_size=None)
     drafter.save_pretrained(tmp_path / "osprey")

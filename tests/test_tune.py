@@ -1,11 +1,12 @@
 """`osprey tune --engine vllm` without vLLM: the engine job it sends, how it reads the engine's steps back, and its
-errors. (The engine itself, `osprey/vllm_engine.py`, runs in vLLM's environment; `osprey.vllm_schedule`'s rule is
+errors. (The engine itself, `osprey/serving/vllm_engine.py`, runs in vLLM's environment;
+`osprey.serving.vllm_schedule`'s rule is
 tested in test_vllm_schedule.py.)"""
 
 import pytest
 
-from osprey import tune
-from osprey.tune import COST_ROUNDS, batch_sizes, measurements, tune_job
+from osprey.serving import tune
+from osprey.serving.tune import COST_ROUNDS, batch_sizes, measurements, tune_job
 
 
 def test_batch_sizes_double_up_to_the_largest():

@@ -24,8 +24,8 @@ from transformers import DynamicCache
 
 from modeling_osprey.target_features import TargetFeatureCapture
 from osprey import OspreyConfig, OspreyForDrafting
-from osprey.decode import speculative_generate
-from osprey.export import VLLM, export_drafter
+from osprey.decoding.decode import speculative_generate
+from osprey.serving.export import VLLM, export_drafter
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_SCRIPT = Path(__file__).resolve().parent / "vllm_engine.py"

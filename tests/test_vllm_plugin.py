@@ -2,7 +2,8 @@
 of a drafter against the target (`osprey_vllm.checks`), and the constants it shares with `osprey export`.
 
 The plugin lives in vLLM's environment and imports nothing of osprey (tests/test_layers.py), so it repeats the
-architecture name and format version that `osprey.export` writes; these tests import both and hold them equal. The
+architecture name and format version that `osprey.serving.export` writes; these tests import both and hold them equal.
+The
 plugin's package is imported from `serving/vllm` (its `__init__` and `checks` import nothing of vLLM); `register` runs
 against a stand-in `vllm` module whose version each test sets. tests/test_vllm.py runs the plugin in vLLM itself.
 """
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from osprey import OspreyConfig, OspreyForDrafting
-from osprey.export import VLLM, VLLM_ARCHITECTURE, VLLM_FORMAT_VERSION, export_drafter
+from osprey.serving.export import VLLM, VLLM_ARCHITECTURE, VLLM_FORMAT_VERSION, export_drafter
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1] / "serving" / "vllm"
 

@@ -1,11 +1,12 @@
-"""The draft length per batch size (`osprey.vllm_schedule`): the rule that turns measured costs and acceptance into
+"""The draft length per batch size (`osprey.serving.vllm_schedule`): the rule that turns measured costs and acceptance
+into
 vLLM's `num_speculative_tokens_per_batch_size`, without vLLM."""
 
 import json
 
 import pytest
 
-from osprey.vllm_schedule import (
+from osprey.serving.vllm_schedule import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     DEFAULT_SCHEDULE,
     best_num_draft_tokens,

@@ -8,8 +8,8 @@ import os
 import pytest
 from test_vllm import PROMPTS, export, random_drafter, save_target
 
-from osprey.tune import COST_ROUNDS, find_vllm_python, measurements, run_engine, tune_job
-from osprey.vllm_schedule import check_schedule, derive_schedule
+from osprey.serving.tune import COST_ROUNDS, find_vllm_python, measurements, run_engine, tune_job
+from osprey.serving.vllm_schedule import check_schedule, derive_schedule
 
 
 @pytest.fixture(scope="module")

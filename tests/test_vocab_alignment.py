@@ -9,7 +9,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from osprey.vocab_alignment import align_vocabularies, select_draft_vocab, token_bytes
+from osprey.stages.vocab_alignment import align_vocabularies, select_draft_vocab, token_bytes
 
 CHATML = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<file_sep>")
 GEMMA_STYLE = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>", "<|file_sep|>")

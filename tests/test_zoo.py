@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from osprey import zoo
 from osprey.cli import main
+from osprey.models import zoo
 
 FAKE_NAME = "fake-model"
 FAKE_PARTS = {

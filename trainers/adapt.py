@@ -46,11 +46,11 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from osprey.bench_suites import CORPUS_SUITES, SUITES
-from osprey.demo import DECODING_NAME, decoding_shape
-from osprey.export import FORMATS as EXPORT_FORMATS
-from osprey.model_card import ADAPTATION_RECORD
-from osprey.zoo import DEFAULT_BACKBONE
+from osprey.measuring.bench_suites import CORPUS_SUITES, SUITES
+from osprey.measuring.demo import DECODING_NAME, decoding_shape
+from osprey.models.model_card import ADAPTATION_RECORD
+from osprey.models.zoo import DEFAULT_BACKBONE
+from osprey.serving.export import FORMATS as EXPORT_FORMATS
 
 STATE_NAME = "adapt.json"
 STAGES = ("answers", "drafter-init", "features", "distill", "drafter", "evaluate", "export")
@@ -131,7 +131,7 @@ class AdaptSettings:
     def check(self) -> None:
         """Refuses bad settings in one line naming the flag, before anything is written or fetched: budgets and
         counts, the export format, and that the target, the backbone and every prompt source can be had."""
-        from osprey.zoo import check_model_source
+        from osprey.models.zoo import check_model_source
 
         from .data import check_dataset_source
 
@@ -153,7 +153,7 @@ class AdaptSettings:
         if self.from_drafter is None:
             check_model_source(self.backbone, "--backbone")
         else:
-            from osprey.convert import retarget
+            from osprey.stages.convert import retarget
 
             if not (Path(self.from_drafter) / "config.json").is_file():
                 raise ValueError(f"--from-drafter {self.from_drafter}: not a drafter directory (no config.json).")
@@ -338,8 +338,8 @@ def convert_backbone(run: AdaptRun) -> dict:
     counted on the target's answers and on up to `VOCABULARY_CHARACTERS` of each prompt set's conversations: the
     answers alone are too few tokens to rank a 32k vocabulary, and a chain ends at every token outside it. With
     `from_drafter`, the earlier drafter is taken as it is instead, its draft vocabulary and taps kept
-    (`osprey.convert.retarget`)."""
-    from osprey.convert import convert, retarget
+    (`osprey.stages.convert.retarget`)."""
+    from osprey.stages.convert import convert, retarget
 
     settings = run.settings
     folder = run.stage_dir("drafter-init")
@@ -379,7 +379,7 @@ def _check_export(settings: AdaptSettings, drafter_dir: Path) -> None:
     """What the requested export needs is known once the drafter is converted: a refusal costs seconds here, not the
     whole run (training changes nothing it checks)."""
     if settings.export:
-        from osprey.export import check_exportable
+        from osprey.serving.export import check_exportable
 
         check_exportable(drafter_dir, settings.export, settings.target)
 
@@ -421,8 +421,8 @@ def distill_drafter(run: AdaptRun, features: dict) -> dict:
     """Distillation into `distill/` for the budget: steps of 4 sequences that make `token_passes` token-passes of the
     feature cache (tokens read once per pass, prompt and answer), or until `budget_minutes` have passed (a constant
     learning rate after warm-up then, as the end is not known in steps)."""
-    from osprey.pack import load_drafter
-    from osprey.zoo import load_tokenizer
+    from osprey.models.pack import load_drafter
+    from osprey.models.zoo import load_tokenizer
 
     from .devices import train_and_save
     from .distill import OspreyDistillConfig, OspreyDistillTrainer
@@ -485,8 +485,8 @@ def finish_drafter(run: AdaptRun, decoding: dict) -> dict:
     """The distilled drafter as an ordinary checkpoint in `drafter/`, with the target's tokenizer, its alignment
     report, training record, the decoding shape it is measured and served with, and how it was adapted (its card
     says on what kind of text)."""
-    from osprey.pack import copy_companions, load_drafter
-    from osprey.zoo import load_tokenizer
+    from osprey.models.pack import copy_companions, load_drafter
+    from osprey.models.zoo import load_tokenizer
 
     folder = run.stage_dir("drafter")
     shutil.rmtree(folder, ignore_errors=True)
@@ -514,7 +514,7 @@ def finish_drafter(run: AdaptRun, decoding: dict) -> dict:
 def held_out_prompts(settings: AdaptSettings) -> tuple[list, list[str]]:
     """The evaluation's prompts (`--eval-prompts`, else `HELD_OUT`'s) and a line for each default suite that could
     not be had here (Spec-Bench, without a data folder) and was left out."""
-    from osprey.bench_suites import available_suites, load_suite, select_subset
+    from osprey.measuring.bench_suites import available_suites, load_suite, select_subset
 
     per_category = dict(HELD_OUT)
     if settings.eval_prompts:
@@ -530,10 +530,10 @@ def held_out_prompts(settings: AdaptSettings) -> tuple[list, list[str]]:
 def evaluate_drafter(run: AdaptRun, target, tokenizer, decoding: dict) -> dict:
     """Held-out τ (chains, greedy, float drafter) per language group, and the speed check against the target alone
     at the drafter's decoding shape; both `osprey bench` runs saved in `evaluate/` with their tables."""
-    from osprey.bench import BenchMethod, BenchSettings, run_benchmark
-    from osprey.bench_report import exit_status, markdown_table, save_report, summarize
-    from osprey.demo import DEMO_PROMPTS, against_target_alone
-    from osprey.pack import load_drafter
+    from osprey.measuring.bench import BenchMethod, BenchSettings, run_benchmark
+    from osprey.measuring.bench_report import exit_status, markdown_table, save_report, summarize
+    from osprey.measuring.demo import DEMO_PROMPTS, against_target_alone
+    from osprey.models.pack import load_drafter
 
     folder = run.stage_dir("evaluate")
     folder.mkdir(exist_ok=True)
@@ -590,7 +590,7 @@ def evaluate_drafter(run: AdaptRun, target, tokenizer, decoding: dict) -> dict:
 
 def export_stage(run: AdaptRun) -> dict:
     """`osprey export` of the drafter into `export/<format>/`; each format asked for on a run or a rerun is kept."""
-    from osprey.export import export_drafter
+    from osprey.serving.export import export_drafter
 
     export_format = run.settings.export
     folder = run.stage_dir("export") / export_format
@@ -612,8 +612,8 @@ def adapt(output_dir: str | os.PathLike, settings: AdaptSettings | None = None, 
         settings = AdaptSettings(**fields)
     elif fields:
         raise ValueError("Pass either an AdaptSettings or its fields as keywords, not both.")
-    from osprey.model_card import drafter_card
-    from osprey.zoo import load_causal_lm, load_tokenizer
+    from osprey.models.model_card import drafter_card
+    from osprey.models.zoo import load_causal_lm, load_tokenizer
 
     settings.check()
     run = AdaptRun(output_dir, settings)
@@ -655,7 +655,7 @@ def adapt(output_dir: str | os.PathLike, settings: AdaptSettings | None = None, 
             run.state["stages"].get("export", {})["done"] = False  # a rerun asking for another format runs it
         run.run("export", 7, lambda: export_stage(run))
     if settings.push_to_hub:
-        from osprey.hub import push_drafter_folder
+        from osprey.models.hub import push_drafter_folder
 
         bench = run.stage_dir("evaluate") / "held-out.json"
         commit = push_drafter_folder(

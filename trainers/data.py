@@ -1001,7 +1001,7 @@ def prepare_multilingual(
     manifest of an earlier build, is compared package by package: a package whose version or SHA-256 differs (the
     Debian archive moved on) is reported on stderr and recorded under `manifest["lock_mismatches"]`.
     """
-    from osprey.zoo import load_tokenizer
+    from osprey.models.zoo import load_tokenizer
 
     directory = corpus_dir("multilingual", cache_dir)
     if (directory / "manifest.json").is_file() and not force:

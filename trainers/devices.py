@@ -18,7 +18,7 @@ from accelerate.utils import extract_model_from_parallel
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy
 
-from osprey.zoo import load_causal_lm
+from osprey.models.zoo import load_causal_lm
 
 
 def cuda_bf16_available() -> bool:

@@ -22,8 +22,8 @@ from trl import TrlParser
 
 from modeling_osprey.modeling_osprey import OspreyTTTCache
 from modeling_osprey.target_features import extract_target_features
-from osprey.pack import load_drafter
-from osprey.zoo import load_tokenizer
+from osprey.models.pack import load_drafter
+from osprey.models.zoo import load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
 from .devices import (

@@ -37,7 +37,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from modeling_osprey.target_features import TargetFeatureCapture, default_target_layer_ids
-from osprey.zoo import load_tokenizer
+from osprey.models.zoo import load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
 from .devices import load_target

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from trl import SFTConfig, SFTTrainer, TrlParser
 
-from osprey.zoo import load_causal_lm, load_tokenizer
+from osprey.models.zoo import load_causal_lm, load_tokenizer
 
 from .data import DatasetArguments, load_text_dataset
 from .devices import (

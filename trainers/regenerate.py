@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     """`osprey regenerate`: `--config config.yaml` and/or flags, see `osprey regenerate --help`."""
     from trl import TrlParser
 
-    from osprey.zoo import load_causal_lm, load_tokenizer
+    from osprey.models.zoo import load_causal_lm, load_tokenizer
 
     (args,) = TrlParser((RegenerateArguments,), prog="osprey regenerate", description=__doc__).parse_args_and_config(
         argv

@@ -269,15 +269,16 @@ QWEN_0_5B = "qwen2.5-coder-0.5b-instruct"
 
 def self_distill_worker(steps: int, compile: bool = False, bf16: bool = False) -> dict:
     """Stage 2 of the same-tokenizer backbone as `benchmarks/replication/stage2_qwen.sh` runs it: the zoo's
-    Qwen2.5-Coder-0.5B-Instruct pruned to its first 2 blocks (`osprey.prune.prune`), self-distilled from the whole
+    Qwen2.5-Coder-0.5B-Instruct pruned to its first 2 blocks (`osprey.stages.prune.prune`), self-distilled from the
+    whole
     model (its config's weights, temperature and frozen embedding and head), on random tokens, 2 x 1,024 per step
     (one micro-batch); the parent in bfloat16 with `bf16` (autocast), else in float32, as the trainer loads it."""
     import torch
     import yaml
 
     import trainers
-    from osprey.prune import prune
-    from osprey.zoo import load_causal_lm, load_tokenizer
+    from osprey.models.zoo import load_causal_lm, load_tokenizer
+    from osprey.stages.prune import prune
 
     recipe = yaml.safe_load((Path(trainers.__file__).parent / "configs" / QWEN_STAGE2_CONFIG).read_text())
     parent = load_causal_lm(QWEN_0_5B, dtype=torch.bfloat16 if bf16 else torch.float32)
@@ -452,7 +453,7 @@ def real_distill_worker(feature_cache: str, drafter_path: str, config_path: str,
     over the timed steps, counting the tokens the batches hold (not their padding), and the share of padding."""
     import yaml
 
-    from osprey.pack import load_drafter
+    from osprey.models.pack import load_drafter
     from trainers.distill import DistillDataCollator, OspreyDistillConfig, OspreyDistillTrainer
     from trainers.feature_cache import FeatureCacheDataset
 

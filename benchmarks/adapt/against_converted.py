@@ -39,7 +39,7 @@ def held_out_file(run_dir: Path, results: str) -> Path:
 
 def _prompt_texts(held_out: dict) -> dict:
     """The text of every prompt id the held-out results name, from the suites they were drawn from."""
-    from osprey.bench_suites import load_suite
+    from osprey.measuring.bench_suites import load_suite
 
     texts = {}
     for suite in {row["suite"] for row in held_out["requests"]}:

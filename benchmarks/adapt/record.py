@@ -163,7 +163,7 @@ def plot_curves(controls: dict, taus: dict, minutes: float, path: Path, sets: li
 
 
 def _summarize(results: dict) -> list[dict]:
-    from osprey.bench_report import summarize
+    from osprey.measuring.bench_report import summarize
 
     return summarize(results)
 

@@ -23,7 +23,7 @@ from test_decoding import assisted_greedy, near_copy_pair, plain_greedy, prompt,
 
 from modeling_osprey.generation_osprey import DraftState, crop_cache, draft_chain  # noqa: E402
 from osprey import OspreyConfig, OspreyForDrafting  # noqa: E402
-from osprey.decode import speculative_generate  # noqa: E402
+from osprey.decoding.decode import speculative_generate  # noqa: E402
 
 # Target shapes (public configs); the drafter taps are the defaults [1, L//2-1, L-4].
 TARGETS = {

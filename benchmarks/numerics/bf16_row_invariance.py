@@ -18,7 +18,7 @@ import time
 import torch
 from transformers import AutoConfig
 
-from osprey.zoo import resolve_model_path
+from osprey.models.zoo import resolve_model_path
 
 ROW_COUNTS = (1, 2, 4, 8, 13, 16, 32, 64)
 

@@ -1,5 +1,5 @@
 """Labels the differing outputs of saved `osprey bench` results: each request whose greedy output differs from the
-target alone's gets its `divergence` (`osprey.near_tie.replay`: the method decodes that prompt again and the
+target alone's gets its `divergence` (`osprey.decoding.near_tie.replay`: the method decodes that prompt again and the
 verification forward that decided the first differing token is checked, "rounding (shape-dependent)" or
 "UNEXPLAINED"), as a run labels its own; the JSON and its `.md` table are rewritten. Each method is loaded again from
 the spec the results name (its drafter folder, `--dtype`, the run's settings); a method that cannot be loaded leaves
@@ -15,7 +15,8 @@ prompt again and its output must hash the same.
 Prompts come from the suites the results name (`spec_bench`, `mt_bench`, `humaneval`, `mmath`, the demo's `demo`) or
 from `--prompts FILE` (a JSONL file or folder, named as the bench named it). Results saved without their dtype need
 `--dtype`. Exit status 1 if any difference is UNEXPLAINED or could not be checked ("not checked", allowed with
-`--allow-unchecked`: the rule `osprey bench` exits by, `osprey.bench_report.fails`), or a target-alone output needed
+`--allow-unchecked`: the rule `osprey bench` exits by, `osprey.measuring.bench_report.fails`), or a target-alone output
+needed
 for the check could not be reproduced.
 """
 
@@ -28,18 +29,18 @@ from pathlib import Path
 import torch
 from old_results import label_divergences_rebuilding_ids, output_token_ids
 
-from osprey.bench import load_method, output_sha256, summarize
-from osprey.bench_report import (
+from osprey.decoding.decode import encode_prompt, target_generate
+from osprey.measuring.bench import load_method, output_sha256, summarize
+from osprey.measuring.bench_report import (
     add_allow_unchecked_argument,
     difference_label,
     differing_requests,
     fails,
     markdown_table,
 )
-from osprey.bench_suites import SUITES, held_out_prompts, load_suite
-from osprey.decode import encode_prompt, target_generate
-from osprey.demo import DEMO_PROMPTS
-from osprey.zoo import load_causal_lm, load_tokenizer
+from osprey.measuring.bench_suites import SUITES, held_out_prompts, load_suite
+from osprey.measuring.demo import DEMO_PROMPTS
+from osprey.models.zoo import load_causal_lm, load_tokenizer
 
 
 def _key(row: dict) -> tuple[str, str, str]:
@@ -48,7 +49,8 @@ def _key(row: dict) -> tuple[str, str, str]:
 
 def prompts_for(results: dict, extra: list[str], data_dir: str | None) -> list:
     """Every prompt the results may name: the demo's, the named suites', `--prompts`, and for `held_out` (tuning
-    runs, `osprey.bench_suites.held_out_prompts`) those held out of the suites' 1- to 3-per-category benches (a
+    runs, `osprey.measuring.bench_suites.held_out_prompts`) those held out of the suites' 1- to 3-per-category benches
+    (a
     request is matched by suite, category and prompt id, so prompts it does not name are never used)."""
     prompts = list(DEMO_PROMPTS) if "demo" in results["prompts"] else []
     prompts += [prompt for suite in results["prompts"] if suite in SUITES for prompt in load_suite(suite, data_dir)]

@@ -1,6 +1,6 @@
 """Does `rounding_bound` hold for a real target? How far bf16 decoding moves top-2 logit margins.
 
-`rounding_bound` is the statistical bound `osprey.near_tie` judged differences by before its exact replay.
+`rounding_bound` is the statistical bound `osprey.decoding.near_tie` judged differences by before its exact replay.
 
 For each held-out prompt the target decodes greedily in bf16 (one row per forward, `generate`). Then, for every
 decoded position, the float32 top-2 gap g = z[best] - z[second] (the same weights upcast) is compared with the same
@@ -22,10 +22,10 @@ import platform
 import torch
 from transformers import DynamicCache
 
-from osprey.bench_suites import load_suite
-from osprey.decode import encode_prompt, target_generate
-from osprey.near_tie import UNIT_ROUNDOFF, upcast
-from osprey.zoo import load_causal_lm, load_tokenizer
+from osprey.decoding.decode import encode_prompt, target_generate
+from osprey.decoding.near_tie import UNIT_ROUNDOFF, upcast
+from osprey.measuring.bench_suites import load_suite
+from osprey.models.zoo import load_causal_lm, load_tokenizer
 
 # Standard deviations of the accumulated hidden-state rounding the bound allows (see `rounding_bound`).
 SIGMAS = 6.0

@@ -1,4 +1,4 @@
-"""How well does `osprey.near_tie.replay` tell rounding from a wrong verifier on a real target?
+"""How well does `osprey.decoding.near_tie.replay` tell rounding from a wrong verifier on a real target?
 
 On 25 of the replication's 50 prompts (one of its 2 per category of Spec-Bench, MT-Bench, HumanEval and MMATH:
 `select_subset` with 1 per category, seed 0), the target in bf16 decodes each prompt alone and with the shipped
@@ -11,7 +11,7 @@ Every output that differs from the target alone's is replayed:
   share the former check flagged (`former_flagged`: the target's float32 margin at the first differing token beyond
   `near_tie_bound.rounding_bound`).
 
-It also measures the noise `osprey.near_tie.FORWARD_NOISE` allows: during each honest decoding, hooks keep the
+It also measures the noise `osprey.decoding.near_tie.FORWARD_NOISE` allows: during each honest decoding, hooks keep the
 verification rows that decided new tokens 0, 12, 24 and 36 of the target alone's output (where the decoding still
 follows it), and each is compared with a clean forward of the same prefix; the largest |difference| / (u * max|z|)
 over all of them is `calibration.max_ratio`.
@@ -34,10 +34,8 @@ import torch
 from near_tie_bound import rounding_bound
 
 import modeling_osprey.decoding_osprey as decoding_osprey
-from osprey.bench_suites import load_suite, select_subset
-from osprey.decode import encode_prompt, speculative_generate, target_generate
-from osprey.ground import read_jsonl
-from osprey.near_tie import (
+from osprey.decoding.decode import encode_prompt, speculative_generate, target_generate
+from osprey.decoding.near_tie import (
     FORWARD_NOISE,
     ROUNDING,
     UNEXPLAINED,
@@ -47,8 +45,10 @@ from osprey.near_tie import (
     replay,
     upcast,
 )
-from osprey.pack import load_drafter
-from osprey.zoo import load_causal_lm, load_tokenizer
+from osprey.ground import read_jsonl
+from osprey.measuring.bench_suites import load_suite, select_subset
+from osprey.models.pack import load_drafter
+from osprey.models.zoo import load_causal_lm, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITES = ("spec_bench", "mt_bench", "humaneval", "mmath")

@@ -2,11 +2,12 @@
 
 Such results keep each request's completion and the SHA-256 of its new token ids (`output_sha256`), which is enough to
 rebuild the ids: the completion tokenized again, checked against the hash. `osprey bench` itself refuses them
-(`osprey.bench.check_output_ids`); label_differences.py labels their differences through `label_divergences`, which
-gives `osprey.bench.label_divergences` copies of the requests with their ids rebuilt.
+(`osprey.measuring.bench.check_output_ids`); label_differences.py labels their differences through `label_divergences`,
+which
+gives `osprey.measuring.bench.label_divergences` copies of the requests with their ids rebuilt.
 """
 
-from osprey.bench import label_divergences, output_sha256
+from osprey.measuring.bench import label_divergences, output_sha256
 
 
 def output_token_ids(row: dict, tokenizer, eos_ids: list[int], guide: list[int] | None = None) -> list[int] | None:
@@ -45,10 +46,12 @@ def _key(row: dict) -> tuple[str, str, str]:
 def label_divergences_rebuilding_ids(
     target, tokenizer, results: dict, prompts: list, eos_ids: list[int], methods: list
 ) -> None:
-    """`osprey.bench.label_divergences` for results that may hold requests saved without `output_ids`: it labels
+    """`osprey.measuring.bench.label_divergences` for results that may hold requests saved without `output_ids`: it
+    labels
     copies of the requests with their ids rebuilt (`output_token_ids`, the target alone's guided by the differing
     output where they cannot be rebuilt alone) and gives each request its copy's label; the saved requests keep their
-    fields otherwise. `methods` (`osprey.bench.BenchMethod`s) replay the differences; a differing request whose ids,
+    fields otherwise. `methods` (`osprey.measuring.bench.BenchMethod`s) replay the differences; a differing request
+    whose ids,
     or whose target-alone reference's, cannot be rebuilt, or whose method is not among them, is left unlabelled ("not
     checked")."""
     baseline = next((name for name, spec in results["methods"].items() if spec == "target"), None)

@@ -24,8 +24,8 @@ import torch
 from transformers import DynamicCache
 
 from osprey.ground import corpus_dir
-from osprey.prune import prune
-from osprey.zoo import load_causal_lm, load_tokenizer
+from osprey.models.zoo import load_causal_lm, load_tokenizer
+from osprey.stages.prune import prune
 
 
 @torch.no_grad()
@@ -155,7 +155,7 @@ def main() -> None:
 
 def _rebuild_sharing_vocabulary(parent, kept_layers):
     """`parent` pruned to `kept_layers`, sharing the parent's embedding and LM head tensors (timing only)."""
-    from osprey.prune import _rebuild
+    from osprey.stages.prune import _rebuild
 
     pruned = _rebuild(parent, list(kept_layers), {"kept_layers": list(kept_layers)})
     pruned.model.embed_tokens.weight = parent.model.embed_tokens.weight

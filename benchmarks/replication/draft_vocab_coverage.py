@@ -11,8 +11,8 @@ import collections
 import pyarrow.parquet as pq
 
 from osprey.ground import corpus_dir
-from osprey.pack import load_drafter
-from osprey.zoo import load_tokenizer
+from osprey.models.pack import load_drafter
+from osprey.models.zoo import load_tokenizer
 
 
 def main() -> None:

@@ -23,9 +23,9 @@ import argparse
 import json
 import statistics
 
-from osprey.bench import DRAFTER_KINDS, saved_settings
-from osprey.bench_report import position_acceptance
 from osprey.ground import text_script
+from osprey.measuring.bench import DRAFTER_KINDS, saved_settings
+from osprey.measuring.bench_report import position_acceptance
 
 GROUPS = (
     "overall",

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from osprey.ground import corpus_dir
-from osprey.zoo import load_causal_lm, load_tokenizer
+from osprey.models.zoo import load_causal_lm, load_tokenizer
 
 
 def group_token_ids(tokenizer, tokens_per_group: int, max_length: int) -> dict[str, list[list[int]]]:

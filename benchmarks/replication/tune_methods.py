@@ -25,9 +25,16 @@ from pathlib import Path
 
 import torch
 
-from osprey.bench import DRAFTER_KINDS, DRAFTER_METHODS, BenchMethod, BenchSettings, load_method, run_benchmark
-from osprey.bench_suites import held_out_prompts, load_suite
-from osprey.zoo import load_causal_lm, load_tokenizer
+from osprey.measuring.bench import (
+    DRAFTER_KINDS,
+    DRAFTER_METHODS,
+    BenchMethod,
+    BenchSettings,
+    load_method,
+    run_benchmark,
+)
+from osprey.measuring.bench_suites import held_out_prompts, load_suite
+from osprey.models.zoo import load_causal_lm, load_tokenizer
 
 
 def candidates(args) -> list[tuple[str, str, str, dict]]:

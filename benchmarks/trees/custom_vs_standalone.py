@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from osprey.decode import encode_prompt, speculative_generate
-from osprey.pack import load_drafter
-from osprey.zoo import load_causal_lm, load_tokenizer
+from osprey.decoding.decode import encode_prompt, speculative_generate
+from osprey.models.pack import load_drafter
+from osprey.models.zoo import load_causal_lm, load_tokenizer
 
 
 def main() -> None:

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from osprey.bench import BenchMethod, BenchSettings, run_benchmark
-from osprey.bench_suites import load_suite
-from osprey.demo import DEMO_PROMPTS, DEMO_TARGET, DEMOS
-from osprey.pack import DRAFTER_QUANTIZATIONS, load_drafter
-from osprey.zoo import load_causal_lm, load_tokenizer
+from osprey.measuring.bench import BenchMethod, BenchSettings, run_benchmark
+from osprey.measuring.bench_suites import load_suite
+from osprey.measuring.demo import DEMO_PROMPTS, DEMO_TARGET, DEMOS
+from osprey.models.pack import DRAFTER_QUANTIZATIONS, load_drafter
+from osprey.models.zoo import load_causal_lm, load_tokenizer
 
 
 def method_name(k: int, n: int, lookup: int) -> str:
@@ -41,7 +41,9 @@ def main() -> None:
         default=str(DEMOS[DEMO_TARGET].drafter_dir),
         help="drafter directory, packed or not (default: the one osprey demo ships for its default target)",
     )
-    parser.add_argument("--prompts", help="held-out prompts, a JSONL file (default: osprey.demo.DEMO_PROMPTS)")
+    parser.add_argument(
+        "--prompts", help="held-out prompts, a JSONL file (default: osprey.measuring.demo.DEMO_PROMPTS)"
+    )
     parser.add_argument("--draft-topk", default="2,3", help="comma-separated grid (1: chains)")
     parser.add_argument("--tree-size", default="4,6,8,12", help="comma-separated grid")
     parser.add_argument("--prompt-lookup", default="0", help="comma-separated grid of prompt-lookup branch lengths")
@@ -103,7 +105,7 @@ def main() -> None:
     results["held_out_prompts"] = (
         f"{args.prompts} ({len(prompts)} prompts)"
         if args.prompts
-        else "osprey.demo.DEMO_PROMPTS (6 prompts, none in spec_bench / mt_bench)"
+        else "osprey.measuring.demo.DEMO_PROMPTS (6 prompts, none in spec_bench / mt_bench)"
     )
     results["settings"] = {
         "target": args.target,

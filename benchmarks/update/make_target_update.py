@@ -288,7 +288,7 @@ def train(args) -> int:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from osprey.zoo import resolve_model_path
+    from osprey.models.zoo import resolve_model_path
     from trainers.data import WIKI_WHEEL
 
     if args.threads:
@@ -431,7 +431,7 @@ def greedy_answers(model_path: str, tokenizer, prompts: list[str], max_new_token
     """Each prompt's greedy answer token ids (bfloat16, chat template), up to and including the first end token."""
     import torch
 
-    from osprey.zoo import load_causal_lm
+    from osprey.models.zoo import load_causal_lm
 
     model = load_causal_lm(model_path, dtype=torch.bfloat16).eval()
     end_ids = model.generation_config.eos_token_id
@@ -474,8 +474,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def differ(args) -> int:
     from transformers import AutoTokenizer
 
-    from osprey.bench_suites import load_suite
-    from osprey.zoo import resolve_model_path
+    from osprey.measuring.bench_suites import load_suite
+    from osprey.models.zoo import resolve_model_path
 
     base_dir, update_dir = resolve_model_path(args.base), resolve_model_path(args.update)
     tokenizer = AutoTokenizer.from_pretrained(base_dir, padding_side="left")

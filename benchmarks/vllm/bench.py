@@ -12,7 +12,8 @@ First each speculative method's draft length (vLLM's `num_speculative_tokens`) i
 the bench's (`held_out_prompts`: the next seeded prompt of each category, `--tune-prompts` of them evenly spaced), by
 tokens/s at one request at a time (`osprey-schedule` keeps its schedule's); then every method decodes the bench's
 prompts with its chosen length at each concurrency N: all the prompts, at most N in the engine at once. Every engine
-is a subprocess in vLLM's environment (`osprey/vllm_engine.py`, `--vllm-python`), vLLM's default multi-process engine
+is a subprocess in vLLM's environment (`osprey/serving/vllm_engine.py`, `--vllm-python`), vLLM's default multi-process
+engine
 (engine core and worker in their own processes, as a server runs), without the prefix cache (`job_of` says why),
 greedy, in the target's `--dtype`, eager
 (`enforce_eager`: an engine start without torch.compile takes ~1 min here instead of 2-4); `--omp-threads-bind` and
@@ -37,13 +38,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from osprey import zoo  # noqa: E402
-from osprey.bench_suites import held_out_prompts, load_suite, select_subset  # noqa: E402
-from osprey.decode import encode_prompt  # noqa: E402
-from osprey.export import SPECULATORS, VLLM, export_drafter  # noqa: E402
-from osprey.tune import find_vllm_python  # noqa: E402
-from osprey.tune import run_engine as run_engine_job  # noqa: E402
-from osprey.vllm_schedule import read_speculative_config  # noqa: E402
+from osprey.decoding.decode import encode_prompt  # noqa: E402
+from osprey.measuring.bench_suites import held_out_prompts, load_suite, select_subset  # noqa: E402
+from osprey.models import zoo  # noqa: E402
+from osprey.serving.export import SPECULATORS, VLLM, export_drafter  # noqa: E402
+from osprey.serving.tune import find_vllm_python  # noqa: E402
+from osprey.serving.tune import run_engine as run_engine_job  # noqa: E402
+from osprey.serving.vllm_schedule import read_speculative_config  # noqa: E402
 
 METHODS = ("vllm", "ngram", "draft-model", "eagle3", "osprey", "osprey-schedule")
 DEFAULT_GRID = {"ngram": [3, 5], "draft-model": [3, 5], "eagle3": [2, 3, 4], "osprey": [2, 3, 4]}
@@ -89,7 +90,8 @@ def run_engine(args, name: str, job: dict) -> dict:
 
 
 def job_of(args, target_dir: str, config: dict | None, prompt_ids: list, concurrencies: list[int], **extra) -> dict:
-    """One engine's job (osprey/vllm_engine.py): the target in `--dtype`, eager, greedy, `--max-new-tokens`, without
+    """One engine's job (osprey/serving/vllm_engine.py): the target in `--dtype`, eager, greedy, `--max-new-tokens`,
+    without
     vLLM's prefix cache. Every phase sends the same prompts again; with the cache on, a phase after the first finds
     them cached, and vLLM resumes a resent prompt one cache block earlier with an EAGLE-style drafter (EAGLE-3,
     Osprey) than without (`v1/core/kv_cache_coordinator.py:replay_boundaries`), a 128-token block on CPUs: the bench
@@ -402,7 +404,8 @@ def main(argv=None) -> int:
             "num_speculative_tokens_per_batch_size": drafts.get("osprey-schedule", {}).get(
                 "num_speculative_tokens_per_batch_size"
             ),
-            "from": args.schedule or "the Osprey export's speculative_config.json (osprey.vllm_schedule's default)",
+            "from": args.schedule
+            or "the Osprey export's speculative_config.json (osprey.serving.vllm_schedule's default)",
         },
         "cpu_settings": engine_env(args),
         "tuning": tuning,

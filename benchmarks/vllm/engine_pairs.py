@@ -23,10 +23,10 @@ from pathlib import Path
 
 from bench import encode, job_of, run_engine
 
-from osprey import zoo
-from osprey.bench_suites import load_suite, select_subset
-from osprey.export import VLLM, export_drafter
-from osprey.tune import find_vllm_python
+from osprey.measuring.bench_suites import load_suite, select_subset
+from osprey.models import zoo
+from osprey.serving.export import VLLM, export_drafter
+from osprey.serving.tune import find_vllm_python
 
 SUITES = ["spec_bench", "mt_bench", "humaneval", "mmath"]
 

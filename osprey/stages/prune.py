@@ -25,8 +25,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from modeling_osprey.target_features import decoder_layers
 
-from .ground import copy_notices, require_empty_output_dir
-from .zoo import load_causal_lm, load_tokenizer, resolve_model_path
+from ..ground import copy_notices, require_empty_output_dir
+from ..models.zoo import load_causal_lm, load_tokenizer, resolve_model_path
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
 STRATEGIES = ("first", "block-influence")

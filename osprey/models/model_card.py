@@ -1,6 +1,6 @@
 """The model card of an Osprey drafter, rendered from `hub_cards/drafter.md` with what the drafter directory records.
 
-The card lives apart from the upload (`osprey.hub`) so that it can be rendered and checked without a Hub:
+The card lives apart from the upload (`osprey.models.hub`) so that it can be rendered and checked without a Hub:
 `drafter_card(dir, repo_id)` reads the config, `alignment_report.json` (target, backbone, pruning, vocabulary
 alignment), `trainer_state.json` (training budget), the weights (size) and, optionally, `osprey bench` results (eval
 results and table). Which files get published is decided here too (`publishable_files`), because the card describes
@@ -24,7 +24,7 @@ from transformers.utils import logging
 from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
 from modeling_osprey.modeling_osprey import check_safetensors_checkpoint
 
-from .ground import is_notice
+from ..ground import is_notice
 from .pack import is_packed
 
 logger = logging.get_logger(__name__)

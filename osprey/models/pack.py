@@ -14,7 +14,7 @@ space. Verification stays lossless with a quantized drafter: only how often draf
 A drafter made from a zoo backbone packs far smaller against it (`osprey pack --drafter DIR --reference ZOO_NAME
 [--delta-bits 4]`): its frozen copies of the backbone's tensors (the embedding) are rebuilt from the zoo model and
 checked by SHA-256, its trained blocks and head stored as int8, int4 or 3-bit changes from the tensors they started as
-(`osprey.compact`). A Qwen2.5-0.5B-based drafter: 36-50 MiB instead of 762 MiB in float32.
+(`osprey.models.compact`). A Qwen2.5-0.5B-based drafter: 36-50 MiB instead of 762 MiB in float32.
 
 What the packed formats store is decided by `write_packed_weights` and read back by `read_packed_weights`; the rest
 of this module goes through those two.
@@ -32,8 +32,8 @@ from modeling_osprey import OspreyConfig, OspreyForDrafting
 from modeling_osprey.decoding_osprey import CUSTOM_GENERATE_DIR
 from modeling_osprey.modeling_osprey import PACKED_WEIGHTS_NAME as PACKED_WEIGHTS
 
+from ..ground import require_empty_output_dir
 from .compact import DELTA_BITS, PACK_MANIFEST, int8_rows, pack_tensors, read_manifest, read_pack, write_pack
-from .ground import require_empty_output_dir
 from .zoo import fetch_reference, resolve_model_path
 
 PACKED_FORMAT = "osprey-int8-rows"
@@ -220,7 +220,7 @@ def add_subcommand(subparsers) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--drafter", help="drafter directory or Hub id")
     source.add_argument(
-        "--checkpoint", help="any checkpoint folder (a backbone, a trainer checkpoint): see osprey.compact"
+        "--checkpoint", help="any checkpoint folder (a backbone, a trainer checkpoint): see osprey.models.compact"
     )
     parser.add_argument("--output", required=True, help="new (or empty) directory for the packed drafter")
     parser.add_argument("--target", help="record the target (zoo name or Hub id) if the drafter does not name it")

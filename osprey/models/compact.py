@@ -1,7 +1,8 @@
 """Compact checkpoints that reference a zoo model: stage products small enough to commit (tens of MB, not GB).
 
 `osprey pack --checkpoint DIR --reference ZOO_NAME --output PACKED` / `osprey unpack --checkpoint PACKED --output DIR`
-(the CLI lives with the packed drafter format in `osprey.pack`). Unlike a packed drafter, any transformers checkpoint
+(the CLI lives with the packed drafter format in `osprey.models.pack`). Unlike a packed drafter, any transformers
+checkpoint
 can be packed this way: a pruned backbone, a trainer's checkpoint folder, a drafter.
 
 A pruned backbone, a stage-2 checkpoint or a drafter made from a zoo model holds large tensors that are copies of
@@ -45,7 +46,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .ground import cache_root, require_empty_output_dir
+from ..ground import cache_root, require_empty_output_dir
 
 PACK_MANIFEST = "osprey_pack.json"
 PACK_WEIGHTS = "packed.safetensors"
@@ -322,8 +323,8 @@ def pack(
 def reference_dir(reference: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
     """Where the reference of a pack lives: its directory, or the build of the zoo model it names in the zoo's cache
     (root `cache_dir`, default as `osprey.ground.cache_root`). Building zoo models is the zoo's job, and the zoo
-    unpacks its shipped backbones with this module: callers fetch a zoo reference first (`osprey.pack` and
-    `osprey.zoo` do)."""
+    unpacks its shipped backbones with this module: callers fetch a zoo reference first (`osprey.models.pack` and
+    `osprey.models.zoo` do)."""
     path = Path(reference).expanduser()
     if path.is_dir():
         return path

@@ -23,9 +23,9 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from modeling_osprey import OspreyConfig, OspreyForDrafting
 from modeling_osprey.modeling_osprey import OspreyRMSNorm
 
-from . import zoo
-from .ground import read_input_embedding, require_empty_output_dir
-from .pack import load_drafter
+from ..ground import read_input_embedding, require_empty_output_dir
+from ..models import zoo
+from ..models.pack import load_drafter
 
 BASELINES = ("scratch", "eagle3")
 

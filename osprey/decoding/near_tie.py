@@ -16,7 +16,8 @@ differ. `replay` tells them apart for one differing output, at its first differi
    dtype) within the noise this dtype shows on honest runs (`FORWARD_NOISE`).
 
 Both hold: "rounding (shape-dependent)". Either fails, the replay does not reproduce the output, or no forward
-decided that token: "UNEXPLAINED", which fails the bench, the demo and the Space (`osprey.bench_report.fails`). The
+decided that token: "UNEXPLAINED", which fails the bench, the demo and the Space
+(`osprey.measuring.bench_report.fails`). The
 target's float32 top-2 margin there (`float32_margin`) is kept as information only. Greedy decodings only: sampled
 outputs differ from the target alone's by design.
 """
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from .ground import ForwardHooks
+from ..ground import ForwardHooks
 
 # Unit roundoff u of each dtype: a stored value is off by at most u of its magnitude (8, 11, 24 significant bits).
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}

@@ -12,7 +12,7 @@ transformers and caches a plain float32 safetensors checkpoint that loads in sec
 
 The zoo also holds Osprey's pretrained drafter backbones (`BACKBONES`): small LMs pruned from a zoo model and trained
 once on general multilingual text (stages 1 and 2), the starting point of every drafter (`osprey adapt`). Each ships
-inside this package packed against its parent (`osprey.compact`); `fetch` unpacks it into the same cache as an
+inside this package packed against its parent (`osprey.models.compact`); `fetch` unpacks it into the same cache as an
 ordinary causal-LM checkpoint (`AutoModelForCausalLM.from_pretrained` loads it).
 """
 
@@ -39,7 +39,7 @@ from transformers.utils import logging
 
 from modeling_osprey.modeling_osprey import check_safetensors_checkpoint
 
-from .ground import DownloadError, cache_root, download_wheels, requirement_key, wheels_by_requirement
+from ..ground import DownloadError, cache_root, download_wheels, requirement_key, wheels_by_requirement
 
 logger = logging.get_logger(__name__)
 
@@ -132,7 +132,7 @@ ZOO: dict[str, ZooModel] = {
 }
 
 
-BACKBONES_DIR = Path(__file__).parent / "backbones"
+BACKBONES_DIR = Path(__file__).parent.parent / "backbones"
 BACKBONE_FACTS = "osprey_backbone.json"  # parent, pruning, stage-2 corpus and budget, held-out perplexity: the card
 
 
@@ -181,7 +181,8 @@ def is_zoo_name(name: str | os.PathLike) -> bool:
 
 
 def fetch_reference(reference: str | os.PathLike | None) -> None:
-    """Builds the zoo model a pack references, if it names one, so that `osprey.compact` finds it in the cache."""
+    """Builds the zoo model a pack references, if it names one, so that `osprey.models.compact` finds it in the
+    cache."""
     if reference is not None and is_zoo_name(reference):
         fetch(str(reference))
 

@@ -12,7 +12,7 @@ each call its KV cache holds every decided token but the last, so consecutive ca
 Forward hooks also time the target's prefill and verification calls and the drafter's calls; the rest is overhead.
 
 Greedy outputs that differ from the target alone's are labelled after the run (`label_divergences`) by an exact
-replay of the verification forward that decided the first differing token (`osprey.near_tie.replay`): "rounding
+replay of the verification forward that decided the first differing token (`osprey.decoding.near_tie.replay`): "rounding
 (shape-dependent)" when the token is that forward's argmax and its logits agree with a clean forward's within
 rounding, "UNEXPLAINED" otherwise, which makes `osprey bench` exit with status 1; so does a difference left "not
 checked" unless `--allow-unchecked` is passed. A difference to label in results saved
@@ -37,6 +37,10 @@ from tqdm.auto import tqdm
 from modeling_osprey.decoding_osprey import default_tree_size
 from modeling_osprey.generation_osprey import DRAFTING_SETTINGS
 
+from ..decoding.decode import add_decoding_arguments, encode_prompt, speculative_generate, target_generate
+from ..decoding.near_tie import float32_margin, replay, upcast
+from ..ground import ForwardHooks
+from ..models.pack import custom_generate_folder, load_drafter
 from .bench_report import (
     add_allow_unchecked_argument,
     exit_status,
@@ -44,10 +48,6 @@ from .bench_report import (
     summarize,
 )
 from .bench_suites import CORPUS_SUITES, SUITES, BenchPrompt, available_suites, select_subset
-from .decode import add_decoding_arguments, encode_prompt, speculative_generate, target_generate
-from .ground import ForwardHooks
-from .near_tie import float32_margin, replay, upcast
-from .pack import custom_generate_folder, load_drafter
 
 RESULTS_FORMAT = 1
 # Labels the differences of saved results, those saved before the bench kept token ids included (a repository script).
@@ -382,7 +382,8 @@ def run_benchmark(
 
 def label_divergences(target, tokenizer, results: dict, prompts: list[BenchPrompt], methods: list[BenchMethod]) -> None:
     """Gives every greedy request whose output differs from the target alone's on the same prompt its `divergence`
-    (`osprey.near_tie.replay`: the method decodes that prompt again, the verification forward that decided the first
+    (`osprey.decoding.near_tie.replay`: the method decodes that prompt again, the verification forward that decided the
+    first
     differing token is checked, "rounding (shape-dependent)" or "UNEXPLAINED"), and equal ones `divergence: None`.
     Then, as information, the target's float32 margin there (one float32 pass for all; skipped where the target does
     not fit in float32). Requests already labelled are skipped, and so are those whose prompt is not in `prompts` or
@@ -543,7 +544,7 @@ def load_method(
     drafter_quantization: str = "none",
     overrides: dict | None = None,
 ) -> BenchMethod:
-    from .zoo import load_causal_lm, load_tokenizer
+    from ..models.zoo import load_causal_lm, load_tokenizer
 
     kind, _, argument = spec.partition(":")
     own = dict(overrides=dict(overrides or {}))
@@ -622,7 +623,7 @@ def add_subcommand(subparsers) -> None:
 
 
 def _run_bench(args) -> int:
-    from .zoo import load_causal_lm, load_tokenizer
+    from ..models.zoo import load_causal_lm, load_tokenizer
 
     routes = [route.strip() for route in args.routes.split(",") if route.strip()]
     specs = expand_drafter_methods(

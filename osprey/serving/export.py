@@ -44,9 +44,9 @@ from transformers import AutoConfig
 
 from modeling_osprey import OspreyConfig, OspreyForDrafting
 
-from . import zoo
-from .ground import copy_notices, read_input_embedding, require_empty_output_dir
-from .pack import load_drafter
+from ..ground import copy_notices, read_input_embedding, require_empty_output_dir
+from ..models import zoo
+from ..models.pack import load_drafter
 from .vllm_schedule import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     DEFAULT_SCHEDULE_SOURCE,
@@ -288,7 +288,7 @@ def export_drafter(
 
     `vllm` also writes `speculative_config.json`, vLLM's speculative config for this export with a draft length per
     batch size: `schedule`'s (an `osprey tune` output folder or its `speculative_config.json`), else
-    `osprey.vllm_schedule.DEFAULT_SCHEDULE`."""
+    `osprey.serving.vllm_schedule.DEFAULT_SCHEDULE`."""
     if export_format not in FORMATS:
         raise ValueError(f"Unknown export format {export_format!r}: choose one of {', '.join(FORMATS)}.")
     if schedule is not None and export_format != VLLM:

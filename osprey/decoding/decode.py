@@ -17,7 +17,7 @@ from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 from modeling_osprey.decoding_osprey import CPU_DRAFT_TOPK, CPU_TREE_SIZE, DecodingStep, decode
 from modeling_osprey.generation_osprey import DRAFTING_SETTINGS
 
-from .pack import DRAFTER_QUANTIZATIONS
+from ..models.pack import DRAFTER_QUANTIZATIONS
 
 
 @dataclass
@@ -292,8 +292,8 @@ def add_subcommand(subparsers) -> None:
 
 
 def _run_decode(args) -> int:
-    from .pack import load_drafter
-    from .zoo import load_causal_lm, load_tokenizer
+    from ..models.pack import load_drafter
+    from ..models.zoo import load_causal_lm, load_tokenizer
 
     dtype = getattr(torch, args.dtype)
     target, tokenizer = load_causal_lm(args.target, dtype=dtype).eval(), load_tokenizer(args.target)

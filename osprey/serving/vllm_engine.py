@@ -1,7 +1,7 @@
 """One timed vLLM engine, run as a script in vLLM's own environment (it imports nothing of osprey, whose transformers
 pin conflicts with vLLM's), for `osprey tune` and `benchmarks/vllm/bench.py`:
 
-    VLLM_PYTHON osprey/vllm_engine.py JOB.json
+    VLLM_PYTHON osprey/serving/vllm_engine.py JOB.json
 
 JOB names the target, vLLM's `speculative_config` (null: the target alone), the prompts as token ids, the new tokens
 per request and the phases, each with a concurrency N: the phase's prompts go through the engine with at most N in

@@ -3,8 +3,9 @@
     osprey tune --engine vllm --target TARGET --drafter DRAFTER --output DIR [--max-batch-size 8]
 
 One vLLM engine, in vLLM's own environment (`OSPREY_VLLM_PYTHON`, else `.venv-vllm/bin/python` in the working
-directory or beside the osprey checkout), run in-process with timers around both models (`osprey/vllm_engine.py`),
-measures what `osprey.vllm_schedule.derive_schedule` needs:
+directory or beside the osprey checkout), run in-process with timers around both models
+(`osprey/serving/vllm_engine.py`),
+measures what `osprey.serving.vllm_schedule.derive_schedule` needs:
 
 - the engine step's cost when the target's forward carries T tokens (everything but the drafter's forwards), at
   every batch size B of 1, 2, 4, ... up to `--max-batch-size` and every K of 0..`--num-draft-tokens` (T = B(1 + K);
@@ -32,12 +33,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import zoo
-from .bench_suites import load_suite
-from .decode import encode_prompt
-from .demo import DEMO_PROMPTS
+from ..decoding.decode import encode_prompt
+from ..ground import require_empty_output_dir
+from ..measuring.bench_suites import load_suite
+from ..measuring.demo import DEMO_PROMPTS
+from ..models import zoo
 from .export import VLLM, VLLM_ARCHITECTURE, export_drafter
-from .ground import require_empty_output_dir
 from .vllm_schedule import (
     SPECULATIVE_CONFIG_FILE,
     conditional_acceptance,
@@ -64,7 +65,7 @@ def find_vllm_python() -> Path:
         candidates = [Path(os.environ["OSPREY_VLLM_PYTHON"])]
     else:
         candidates = [Path.cwd() / ".venv-vllm" / "bin" / "python"]
-        candidates.append(Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")
+        candidates.append(Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python")
     for candidate in candidates:
         if candidate.exists():
             return candidate
@@ -76,7 +77,7 @@ def find_vllm_python() -> Path:
 
 
 def run_engine(job: dict, job_path: Path, vllm_python: str | os.PathLike, env: dict | None = None) -> dict:
-    """Runs `osprey/vllm_engine.py` on `job` in vLLM's environment (output in JOB.log) and returns its result; a
+    """Runs `osprey/serving/vllm_engine.py` on `job` in vLLM's environment (output in JOB.log) and returns its result; a
     `RuntimeError` pointing at the log if the engine fails."""
     job_path.write_text(json.dumps(job))
     result_path = job_path.with_suffix(".result.json")

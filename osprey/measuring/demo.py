@@ -1,5 +1,6 @@
 """`osprey demo`: the main job on an embedded default. A trained Osprey drafter ships inside the package, packed under
-50 MB (`osprey.pack`): for Qwen2.5-Coder-1.5B-Instruct, its 2-block Qwen2.5-Coder-0.5B backbone packed against that
+50 MB (`osprey.models.pack`): for Qwen2.5-Coder-1.5B-Instruct, its 2-block Qwen2.5-Coder-0.5B backbone packed against
+that
 zoo model. The demo fetches the target (and the packed drafter's reference model) from the zoo on first use, then
 decodes a few prompts of several categories and languages with the drafter and with the target alone, in one process,
 printing τ and the speedup with the decoding settings measured best for that drafter on held-out prompts. `--drafter`
@@ -16,14 +17,14 @@ import torch
 
 from modeling_osprey.generation_osprey import DRAFTING_SETTINGS
 
+from ..models.compact import PACK_MANIFEST, read_manifest
+from ..models.pack import DRAFTER_QUANTIZATIONS, load_drafter
+from ..models.zoo import ZOO, is_cached, load_causal_lm, load_tokenizer
 from .bench import BenchMethod, BenchSettings, run_benchmark
 from .bench_report import add_allow_unchecked_argument, exit_status, markdown_table, save_report
 from .bench_suites import BenchPrompt
-from .compact import PACK_MANIFEST, read_manifest
-from .pack import DRAFTER_QUANTIZATIONS, load_drafter
-from .zoo import ZOO, is_cached, load_causal_lm, load_tokenizer
 
-QWEN_DEMO_DRAFTER_DIR = Path(__file__).parent / "demo_drafter_qwen"
+QWEN_DEMO_DRAFTER_DIR = Path(__file__).parent.parent / "demo_drafter_qwen"
 # Drafters kept in the repository, not shipped (paths in a clone): the SmolLM2 pilot is slower than its target alone.
 REPOSITORY_DRAFTERS = {"smollm2-135m-instruct": "benchmarks/checkpoints/pilot-smollm2-135m-instruct"}
 # Early stop after an unsure draft, for a --drafter the user gives (chains): it keeps nearly all of τ and skips most

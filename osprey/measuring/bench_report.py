@@ -10,7 +10,8 @@ Definitions (the `evaluate` modules under `metrics/` compute the same from users
   (SpS's assistant for SpS), and in everything else (the loop, sampling, prompt lookup).
 - output = target (greedy): the share of requests whose output equals the target alone's on the same prompt; every
   other one is labelled "rounding (shape-dependent)" or "UNEXPLAINED" by a replay of its first differing token
-  (`osprey.near_tie.replay`), or "not checked" where that check could not run, and the table lists each. UNEXPLAINED and
+  (`osprey.decoding.near_tie.replay`), or "not checked" where that check could not run, and the table lists each.
+  UNEXPLAINED and
   "not checked" fail the run (`fails`).
 """
 
@@ -18,9 +19,9 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from .near_tie import NEAR_TIE, ROUNDING, UNEXPLAINED, Divergence
+from ..decoding.near_tie import NEAR_TIE, ROUNDING, UNEXPLAINED, Divergence
 
-# A difference no check examined: saved without the token ids `osprey.near_tie` needs (older results), or its
+# A difference no check examined: saved without the token ids `osprey.decoding.near_tie` needs (older results), or its
 # method was not loaded to replay it. It fails a run like UNEXPLAINED (`fails`) unless the user allows it.
 UNCHECKED = "not checked"
 ALLOW_UNCHECKED_FLAG = "--allow-unchecked"
@@ -165,7 +166,8 @@ DIFFERENCES_NOTE = (
     "Outputs that differ from the target's own, each at its first differing new token: in half precision a "
     "verification forward over several tokens does not round like the target's one-token forwards "
     "(`benchmarks/numerics/bf16_row_invariance.py`), so a near tie can flip. Each is replayed "
-    f'(`osprey.near_tie.replay`). "{ROUNDING}": the token is the argmax of the verification forward that decided it, '
+    f'(`osprey.decoding.near_tie.replay`). "{ROUNDING}": the token is the argmax of the verification forward that '
+    "decided it, "
     "and that forward's logits agree with a clean forward's within rounding; \"UNEXPLAINED\": one of the two fails, "
     "which rounding cannot explain."
 )
