@@ -12,17 +12,10 @@ from test_trainers import char_tokenizer
 from osprey.cli import main
 from osprey.decoding.decode import speculative_generate
 from osprey.measuring import bench_suites
-from osprey.measuring.bench import (
-    BenchMethod,
-    BenchSettings,
-    ForwardRecorder,
-    expand_drafter_methods,
-    parse_method_specs,
-    run_benchmark,
-    steps_from_target_calls,
-)
+from osprey.measuring.bench import ForwardRecorder, run_benchmark, steps_from_target_calls
 from osprey.measuring.bench_report import markdown_table
 from osprey.measuring.bench_suites import BenchPrompt, load_suite, select_subset
+from osprey.measuring.methods import BenchMethod, BenchSettings, expand_drafter_methods, parse_method_specs
 
 PROMPTS = [
     BenchPrompt("toy", "chat", "1", "hello there"),

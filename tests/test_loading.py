@@ -21,8 +21,8 @@ from test_bench import models  # noqa: F401 (fixture: a near-copy target and dra
 
 from osprey.cli import main
 from osprey.decoding.decode import encode_prompt, speculative_generate, target_generate
-from osprey.measuring.bench import load_method
 from osprey.measuring.demo import REPOSITORY_DRAFTERS
+from osprey.measuring.methods import load_method
 from osprey.models.pack import load_drafter, pack_drafter
 
 PROMPT = "abc abc abc"

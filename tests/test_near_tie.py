@@ -32,8 +32,9 @@ from osprey.decoding.near_tie import (
     replay,
     upcast,
 )
-from osprey.measuring.bench import BenchMethod, BenchSettings, label_divergences, output_sha256, run_benchmark
+from osprey.measuring.bench import label_divergences, output_sha256, run_benchmark
 from osprey.measuring.bench_report import DIFFERENCES_NOTE, UNCHECKED, exit_status, fails, markdown_table
+from osprey.measuring.methods import BenchMethod, BenchSettings
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks" / "numerics"))  # old_results.py, beside its script
 import old_results  # noqa: E402

@@ -530,9 +530,10 @@ def held_out_prompts(settings: AdaptSettings) -> tuple[list, list[str]]:
 def evaluate_drafter(run: AdaptRun, target, tokenizer, decoding: dict) -> dict:
     """Held-out τ (chains, greedy, float drafter) per language group, and the speed check against the target alone
     at the drafter's decoding shape; both `osprey bench` runs saved in `evaluate/` with their tables."""
-    from osprey.measuring.bench import BenchMethod, BenchSettings, run_benchmark
+    from osprey.measuring.bench import run_benchmark
     from osprey.measuring.bench_report import exit_status, markdown_table, save_report, summarize
     from osprey.measuring.demo import DEMO_PROMPTS, against_target_alone
+    from osprey.measuring.methods import BenchMethod, BenchSettings
     from osprey.models.pack import load_drafter
 
     folder = run.stage_dir("evaluate")

@@ -30,7 +30,7 @@ import torch
 from old_results import label_divergences_rebuilding_ids, output_token_ids
 
 from osprey.decoding.decode import encode_prompt, target_generate
-from osprey.measuring.bench import load_method, output_sha256, summarize
+from osprey.measuring.bench import output_sha256, summarize
 from osprey.measuring.bench_report import (
     add_allow_unchecked_argument,
     difference_label,
@@ -40,6 +40,7 @@ from osprey.measuring.bench_report import (
 )
 from osprey.measuring.bench_suites import SUITES, held_out_prompts, load_suite
 from osprey.measuring.demo import DEMO_PROMPTS
+from osprey.measuring.methods import load_method
 from osprey.models.zoo import load_causal_lm, load_tokenizer
 
 

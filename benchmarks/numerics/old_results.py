@@ -50,7 +50,7 @@ def label_divergences_rebuilding_ids(
     labels
     copies of the requests with their ids rebuilt (`output_token_ids`, the target alone's guided by the differing
     output where they cannot be rebuilt alone) and gives each request its copy's label; the saved requests keep their
-    fields otherwise. `methods` (`osprey.measuring.bench.BenchMethod`s) replay the differences; a differing request
+    fields otherwise. `methods` (`osprey.measuring.methods.BenchMethod`s) replay the differences; a differing request
     whose ids,
     or whose target-alone reference's, cannot be rebuilt, or whose method is not among them, is left unlabelled ("not
     checked")."""

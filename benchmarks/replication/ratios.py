@@ -24,8 +24,9 @@ import json
 import statistics
 
 from osprey.ground import text_script
-from osprey.measuring.bench import DRAFTER_KINDS, saved_settings
+from osprey.measuring.bench import saved_settings
 from osprey.measuring.bench_report import position_acceptance
+from osprey.measuring.methods import DRAFTER_KINDS
 
 GROUPS = (
     "overall",

@@ -25,15 +25,9 @@ from pathlib import Path
 
 import torch
 
-from osprey.measuring.bench import (
-    DRAFTER_KINDS,
-    DRAFTER_METHODS,
-    BenchMethod,
-    BenchSettings,
-    load_method,
-    run_benchmark,
-)
+from osprey.measuring.bench import run_benchmark
 from osprey.measuring.bench_suites import held_out_prompts, load_suite
+from osprey.measuring.methods import DRAFTER_KINDS, DRAFTER_METHODS, BenchMethod, BenchSettings, load_method
 from osprey.models.zoo import load_causal_lm, load_tokenizer
 
 

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from osprey.measuring.bench import BenchMethod, BenchSettings, run_benchmark
+from osprey.measuring.bench import run_benchmark
 from osprey.measuring.bench_suites import load_suite
 from osprey.measuring.demo import DEMO_PROMPTS, DEMO_TARGET, DEMOS
+from osprey.measuring.methods import BenchMethod, BenchSettings
 from osprey.models.pack import DRAFTER_QUANTIZATIONS, load_drafter
 from osprey.models.zoo import load_causal_lm, load_tokenizer
 

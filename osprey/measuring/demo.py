@@ -20,9 +20,10 @@ from modeling_osprey.generation_osprey import DRAFTING_SETTINGS
 from ..models.compact import PACK_MANIFEST, read_manifest
 from ..models.pack import DRAFTER_QUANTIZATIONS, load_drafter
 from ..models.zoo import ZOO, is_cached, load_causal_lm, load_tokenizer
-from .bench import BenchMethod, BenchSettings, run_benchmark
+from .bench import run_benchmark
 from .bench_report import add_allow_unchecked_argument, exit_status, markdown_table, save_report
 from .bench_suites import BenchPrompt
+from .methods import BenchMethod, BenchSettings
 
 QWEN_DEMO_DRAFTER_DIR = Path(__file__).parent.parent / "demo_drafter_qwen"
 # Drafters kept in the repository, not shipped (paths in a clone): the SmolLM2 pilot is slower than its target alone.
