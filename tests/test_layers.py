@@ -120,16 +120,16 @@ def test_every_floor_imports_only_the_floors_below_it():
     [
         (
             "osprey/measuring/bench_suites.py",
-            "def f():\n    from trainers.data import x\n",
-            "imports trainers.data, floor 2",
+            "def f():\n    from trainers.corpora.loading import x\n",
+            "imports trainers.corpora.loading, floor 2",
         ),
         (
             "osprey/models/zoo.py",
             "import importlib\nimportlib.import_module('space.app')\n",
             "imports space.app, floor 2",
         ),
-        ("trainers/data.py", "from space import allowlist\n", "imports space, floor 2"),
-        ("trainers/data.py", "M = 'benchmarks.x'\nimportlib.import_module(M)\n", "imports benchmarks.x"),
+        ("trainers/corpora/loading.py", "from space import allowlist\n", "imports space, floor 2"),
+        ("trainers/corpora/loading.py", "M = 'benchmarks.x'\nimportlib.import_module(M)\n", "imports benchmarks.x"),
         ("modeling_osprey/modeling_osprey.py", "def f():\n    from osprey.models.hub import push\n", "cannot count on"),
         ("modeling_osprey/modeling_osprey.py", "from modeling_osprey import configuration_osprey\n", "absolutely"),
     ],
@@ -180,9 +180,9 @@ def test_no_two_modules_import_each_other():
     sources = {path: path.read_text(encoding="utf-8") for path in project_files()}
     assert import_cycles(sources) == []
     # The control: the cycle this test was written for (feature_cache lazily importing distill, which imports it).
-    feature_cache = ROOT / "trainers" / "feature_cache.py"
-    sources[feature_cache] += "\ndef f():\n    from .distill import load_target\n"
-    assert ["trainers.distill", "trainers.feature_cache", "trainers.distill"] in import_cycles(sources)
+    feature_cache = ROOT / "trainers" / "features" / "feature_cache.py"
+    sources[feature_cache] += "\ndef f():\n    from ..distill import load_target\n"
+    assert ["trainers.distill", "trainers.features.feature_cache", "trainers.distill"] in import_cycles(sources)
 
 
 # Code that runs in vLLM's own environment, where the osprey package is not installed (its transformers pin conflicts

@@ -12,17 +12,9 @@ import pytest
 from test_data_prep import fake_deb
 from test_vocab_alignment import byte_level_tokenizer
 
-from trainers import data as multilingual
-from trainers.data import (
-    Source,
-    block_texts,
-    fortune_texts,
-    group_counts,
-    language_group,
-    normalize_lang,
-    prepare_multilingual,
-    roff_text,
-)
+from trainers.corpora import building, loading, multilingual, multilingual_chat
+from trainers.corpora.building import block_texts, fortune_texts, normalize_lang, roff_text
+from trainers.corpora.multilingual import Source, group_counts, language_group, prepare_multilingual
 
 
 def test_language_tags_fall_into_script_groups():
@@ -106,7 +98,7 @@ def tiny_sources():
     return {
         "gnome-help": Source(multilingual.gnome_help, 300, ("gnome-user-docs",)),
         "manpages": Source(multilingual.manpages, 10_000, ("manpages-ja",)),
-        "go-stdlib": Source(multilingual.code("golang-1.19-src", "usr/share/go-1.19/src/**/*.go", "go", ("_test.go",)),
+        "go-stdlib": Source(building.code("golang-1.19-src", "usr/share/go-1.19/src/**/*.go", "go", ("_test.go",)),
                             10_000, ("golang-1.19-src",)),
     }  # fmt: skip
 
@@ -205,7 +197,7 @@ CHAT_PAGES = 12
 def chat_downloads(tmp_path, monkeypatch):
     """GNOME help pages of a dozen numbered paragraphs in six languages and English (the ones of a page together
     longer than any passage budget), a German page of untranslated English, and Go code; a quarter held out."""
-    monkeypatch.setattr(multilingual, "TEST_PER_MILLE", 250)
+    monkeypatch.setattr(building, "TEST_PER_MILLE", 250)
     downloads = tmp_path / "data" / "downloads"
     downloads.mkdir(parents=True)
     pages = {}
@@ -228,7 +220,7 @@ def chat_sources():
     return {
         "gnome-help": Source(multilingual.gnome_help, 1_000_000, ("gnome-user-docs",)),
         "go-stdlib": Source(
-            multilingual.code("golang-1.19-src", "usr/share/go-1.19/src/**/*.go", "go"), 10_000, ("golang-1.19-src",)
+            building.code("golang-1.19-src", "usr/share/go-1.19/src/**/*.go", "go"), 10_000, ("golang-1.19-src",)
         ),
     }
 
@@ -239,22 +231,22 @@ def split_rows(directory):
 
 def test_leading_paragraphs_fit_the_budget_and_end_at_a_blank_line():
     text = "Title\n\nFirst paragraph.\n\nSecond one, longer.\n\nThird."
-    assert multilingual.leading_paragraphs(text, 30) == "Title\n\nFirst paragraph."
-    assert multilingual.leading_paragraphs(text, 1000) == text
-    assert multilingual.leading_paragraphs(text, 4) == ""  # the first paragraph alone is too long
-    for lang, language in multilingual.CHAT_LANGUAGES.items():
-        assert len(language.instructions) == len(multilingual.CHAT_TASKS) and len(set(language.instructions)) == 5
+    assert multilingual_chat.leading_paragraphs(text, 30) == "Title\n\nFirst paragraph."
+    assert multilingual_chat.leading_paragraphs(text, 1000) == text
+    assert multilingual_chat.leading_paragraphs(text, 4) == ""  # the first paragraph alone is too long
+    for lang, language in multilingual_chat.CHAT_LANGUAGES.items():
+        assert len(language.instructions) == len(multilingual_chat.CHAT_TASKS) and len(set(language.instructions)) == 5
         assert language_group(lang) in ("latin", "cyrillic", "cjk", "other-scripts")
-        assert multilingual.chat_language_of(lang) == lang
+        assert multilingual_chat.chat_language_of(lang) == lang
     tags = ("pt-BR", "zh-HK", "sr@latin", "en")
-    assert [multilingual.chat_language_of(tag) for tag in tags] == ["pt", None, None, None]
+    assert [multilingual_chat.chat_language_of(tag) for tag in tags] == ["pt", None, None, None]
 
 
 def test_the_chat_templates_file_holds_the_templates_data_py_held():
     """`trainers/chat_templates.json` gives back `CHAT_LANGUAGES` as it was written in `data.py` before it moved to
     the file: the same languages in the same order, scripts and instructions (hashed then), and the same
     `templates_sha256` in the corpus manifest."""
-    languages = multilingual.CHAT_LANGUAGES
+    languages = multilingual_chat.CHAT_LANGUAGES
     written = {lang: [sorted(language.scripts), list(language.instructions)] for lang, language in languages.items()}
     digest = hashlib.sha256(json.dumps(written, ensure_ascii=False).encode()).hexdigest()
     assert digest == "26b9a2c5b0c2ced8c3442110acd5ccd48bf9fa5e06ae2763ba3a291906a59784"
@@ -269,14 +261,14 @@ def test_a_passage_held_out_is_never_trained_on():
     text = "Titel\n\n" + "Der Drucker ist über das Netzwerk mit dem Rechner im Büro verbunden. " * 4
     chunk = {"text": text, "source": "s", "lang": "de", "group": "latin"}
     other = {**chunk, "text": text.replace("Drucker", "Scanner")}
-    splits, stats = multilingual.multilingual_chat_records({"train": [chunk, other], "test": [chunk]}, 10, 10)
+    splits, stats = multilingual_chat.multilingual_chat_records({"train": [chunk, other], "test": [chunk]}, 10, 10)
     assert [row["messages"][0]["content"].endswith(text.strip()) for row in splits["test"]] == [True]
     assert [row["messages"][0]["content"].endswith(other["text"].strip()) for row in splits["train"]] == [True]
     assert stats["dropped_passages"] == {"de": {"also held out": 1}}
 
 
 def test_multilingual_chat_asks_in_the_passage_language_and_follows_the_source_split(tmp_path, chat_downloads):
-    directory = multilingual.prepare_multilingual_chat(tmp_path, sources=chat_sources())
+    directory = multilingual_chat.prepare_multilingual_chat(tmp_path, sources=chat_sources())
     source = split_rows(tmp_path / "data" / "multilingual")
     chat = split_rows(directory)
     manifest = json.loads((directory / "manifest.json").read_text())
@@ -284,12 +276,12 @@ def test_multilingual_chat_asks_in_the_passage_language_and_follows_the_source_s
     cut = 0
     for split, rows in chat.items():
         for row in rows:
-            language = multilingual.CHAT_LANGUAGES[row["lang"]]
+            language = multilingual_chat.CHAT_LANGUAGES[row["lang"]]
             instruction = language.instruction(row["task"])
             (message,) = row["messages"]
             assert message["role"] == "user" and message["content"].startswith(instruction + "\n\n")
             passage = message["content"][len(instruction) + 2 :]
-            assert len(passage) <= multilingual.chat_passage_characters(row["lang"])
+            assert len(passage) <= multilingual_chat.chat_passage_characters(row["lang"])
             # The chunk it was cut from: in the same split, in a language whose templates it was asked with.
             (chunk,) = [
                 (chunk_split, chunk)
@@ -298,9 +290,9 @@ def test_multilingual_chat_asks_in_the_passage_language_and_follows_the_source_s
                 if chunk["text"] == passage or chunk["text"].startswith(passage + "\n\n")
             ]
             assert chunk[0] == split
-            assert multilingual.chat_language_of(chunk[1]["lang"]) == row["lang"]
+            assert multilingual_chat.chat_language_of(chunk[1]["lang"]) == row["lang"]
             assert row["group"] == chunk[1]["group"] and row["source"] == chunk[1]["source"] == "gnome-help"
-            assert row["id"].startswith(row["lang"] + "/") and row["task"] in multilingual.CHAT_TASKS
+            assert row["id"].startswith(row["lang"] + "/") and row["task"] in multilingual_chat.CHAT_TASKS
             cut += chunk[1]["text"] != passage
     assert cut == sum(map(len, chat.values()))  # every page is longer than its budget: cut at a paragraph boundary
     rows = chat["train"] + chat["test"]
@@ -317,15 +309,17 @@ def test_multilingual_chat_asks_in_the_passage_language_and_follows_the_source_s
 
     # Capped per language, deterministically; the caps of a built corpus are not silently changed.
     first = [(directory / f"{split}.parquet").read_bytes() for split in ("train", "test")]
-    capped = multilingual.prepare_multilingual_chat(tmp_path, force=True, max_per_language=3, max_test_per_language=1)
+    capped = multilingual_chat.prepare_multilingual_chat(
+        tmp_path, force=True, max_per_language=3, max_test_per_language=1
+    )
     capped = split_rows(capped)
     for split, cap in (("train", 3), ("test", 1)):
         counts = Counter(row["lang"] for row in capped[split])
         assert max(counts.values()) == cap and set(counts) == {row["lang"] for row in chat[split]}
         assert {row["id"] for row in capped[split]} <= {row["id"] for row in chat[split]}
     with pytest.raises(ValueError, match="other caps"):
-        multilingual.prepare_multilingual_chat(tmp_path, max_per_language=5)
-    multilingual.prepare_multilingual_chat(tmp_path, force=True)
+        multilingual_chat.prepare_multilingual_chat(tmp_path, max_per_language=5)
+    multilingual_chat.prepare_multilingual_chat(tmp_path, force=True)
     assert [(directory / f"{split}.parquet").read_bytes() for split in ("train", "test")] == first
 
 
@@ -334,10 +328,10 @@ def test_multilingual_chat_without_non_english_prose_is_a_clear_error(tmp_path, 
         "docs": Source(lambda _: iter([("en", "a", "Some text."), ("go", "b.go", "package b")]), 99, ())
     }
     with pytest.raises(ValueError, match="no non-English prose.*only English and code"):
-        multilingual.prepare_multilingual_chat(tmp_path / "one", sources=english_and_code)
+        multilingual_chat.prepare_multilingual_chat(tmp_path / "one", sources=english_and_code)
     # Japanese, Russian and Arabic text, but no passage to ask about: titles alone, one overlong paragraph.
     with pytest.raises(ValueError, match=r"no non-English prose.*\(its non-English languages: ar, ja, ru\)"):
-        multilingual.prepare_multilingual_chat(tmp_path, sources=tiny_sources())
+        multilingual_chat.prepare_multilingual_chat(tmp_path, sources=tiny_sources())
 
 
 def test_multilingual_chat_bench_suite_is_the_held_out_split_by_language_group(tmp_path, chat_downloads, monkeypatch):
@@ -384,8 +378,8 @@ def test_cli_data_multilingual_chat_takes_its_caps_and_refuses_them_elsewhere(
 def test_each_corpus_name_has_a_builder_and_a_folder(tmp_path):
     from osprey.ground import CORPUS_NAMES, corpus_dir
 
-    assert tuple(multilingual.CORPORA) == CORPUS_NAMES
-    assert multilingual.CORPORA["multilingual-chat"] is multilingual.prepare_multilingual_chat
+    assert tuple(loading.CORPORA) == CORPUS_NAMES
+    assert loading.CORPORA["multilingual-chat"] is multilingual_chat.prepare_multilingual_chat
     assert corpus_dir("multilingual-chat", tmp_path) == tmp_path / "data" / "multilingual-chat"
     with pytest.raises(ValueError, match="Unknown corpus 'chat'"):
         corpus_dir("chat", tmp_path)

@@ -31,7 +31,7 @@ DRIVER = """
 import contextlib, io, json, sys
 from pathlib import Path
 
-import trainers.data as data
+from trainers.corpora import sharegpt
 from osprey.cli import main
 from osprey.ground import eval_data_dir
 
@@ -45,9 +45,9 @@ def cli(*argv):
     return {"code": code, "stderr": stderr.getvalue()}
 
 
-shipped = data.EvalPrompts.shipped()
+shipped = sharegpt.EvalPrompts.shipped()
 report = {
-    "fingerprints": str(data.EVAL_PROMPT_FINGERPRINTS),
+    "fingerprints": str(sharegpt.EVAL_PROMPT_FINGERPRINTS),
     "eval_data_dir": str(eval_data_dir()),
     "matches": [shipped.matches(text) for text in (prompt, "Please: " + prompt.upper() + " Thanks!", prompt[:-2])],
     "sharegpt": cli("data", "sharegpt", "--cache-dir", str(work / "home")),

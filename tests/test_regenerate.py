@@ -7,7 +7,7 @@ from conftest import make_tiny_target
 from datasets import Dataset
 from test_trainers import char_tokenizer
 
-from trainers.regenerate import RegenerateArguments, _check_manifest, opening, regenerate_split
+from trainers.corpora.regenerate import RegenerateArguments, _check_manifest, opening, regenerate_split
 
 
 def _records():

@@ -1,7 +1,15 @@
 """Osprey's trainers, in TRL's shape: stage 2 (target-agnostic pretraining) and stage 4 (distillation with
-training-time test), their feature cache and their corpora.
+training-time test), with what they read and what chains them.
 
-Names are imported on first use, so that the `osprey` CLI stays quick to start (TRL and datasets load slowly).
+- `corpora/`: training text: any dataset the trainers read, the offline corpora, tokenization, the target's answers.
+- `features/`: the target's features, cached once for distillation.
+- the trainers themselves, here: `pretrain`, `distill` (`python -m trainers.distill`, `accelerate launch -m
+  trainers.distill`), their losses (`losses`) and precision and devices (`devices`).
+- `adapt`: `osprey adapt`, the stages from a backbone to a measured drafter for a user's target, chained and resumable.
+- `cli`: the training commands of `osprey` (`data`, `pretrain`, `features`, `distill`, `regenerate`).
+
+Each builds only on those listed above it (and on `osprey`). Names are imported on first use, so that the `osprey`
+CLI stays quick to start (TRL and datasets load slowly).
 """
 
 import importlib
@@ -17,15 +25,15 @@ _EXPORTS = {
     "linear_soft_cross_entropy": "losses",
     "head_for_loss": "losses",
     "token_cross_entropy": "losses",
-    "FeatureCacheDataset": "feature_cache",
-    "TargetHead": "feature_cache",
-    "build_feature_cache": "feature_cache",
-    "DatasetArguments": "data",
-    "load_text_dataset": "data",
-    "prepare_general": "data",
-    "prepare_sharegpt": "data",
-    "tokenize_dataset": "tokenization",
-    "tokenize_example": "tokenization",
+    "FeatureCacheDataset": "features.feature_cache",
+    "TargetHead": "features.feature_cache",
+    "build_feature_cache": "features.feature_cache",
+    "DatasetArguments": "corpora.loading",
+    "load_text_dataset": "corpora.loading",
+    "prepare_general": "corpora.general",
+    "prepare_sharegpt": "corpora.sharegpt",
+    "tokenize_dataset": "corpora.tokenization",
+    "tokenize_example": "corpora.tokenization",
 }
 
 __all__ = list(_EXPORTS)

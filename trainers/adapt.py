@@ -5,7 +5,8 @@
 
 The stages, each writing its product to `DIR/<stage>/` and marking it done (`DIR/adapt.json` records the times):
 
-1. `answers`: the target answers openings of a prompt set, greedily and batched (`trainers.regenerate`). The default
+1. `answers`: the target answers openings of a prompt set, greedily and batched (`trainers.corpora.regenerate`). The
+default
    set mixes ShareGPT and the `multilingual-chat` corpus (28 languages) half and half: a drafter learns the text its
    target writes, in the languages it will be asked in. `--prompts` takes the user's own (a JSONL file of `messages`
    or `prompt` records, a folder, a corpus name or a Hub dataset). A target with no chat template (a base model)
@@ -133,7 +134,7 @@ class AdaptSettings:
         counts, the export format, and that the target, the backbone and every prompt source can be had."""
         from osprey.models.zoo import check_model_source
 
-        from .data import check_dataset_source
+        from .corpora.loading import check_dataset_source
 
         for name, flag in self.FLAGS.items():
             value = getattr(self, name)
@@ -256,7 +257,7 @@ class AdaptRun:
 def _prompt_records(source: str, split: str = "train"):
     """The records of a prompt source: a corpus name, folder, JSONL file or Hub dataset; `prompt` / `text` records
     become one user message."""
-    from .data import DatasetArguments, load_text_dataset
+    from .corpora.loading import DatasetArguments, load_text_dataset
 
     dataset = load_text_dataset(DatasetArguments(dataset_name=source))
     if split not in dataset:
@@ -298,8 +299,8 @@ def record_text(record: dict) -> str:
 def write_answers(run: AdaptRun, target, tokenizer) -> dict:
     """The target's greedy answers to `num_prompts` openings split evenly over the prompt sources, appended line by
     line to `answers/<i>-<source>.jsonl` (a stopped run resumes), then joined into `answers/train.jsonl`. A target
-    without a chat template continues each opening as plain text (`trainers.regenerate`)."""
-    from .regenerate import RegenerateArguments, regenerate_split
+    without a chat template continues each opening as plain text (`trainers.corpora.regenerate`)."""
+    from .corpora.regenerate import RegenerateArguments, regenerate_split
 
     settings = run.settings
     folder = run.stage_dir("answers")
@@ -385,9 +386,9 @@ def _check_export(settings: AdaptSettings, drafter_dir: Path) -> None:
 
 
 def build_features(run: AdaptRun, target, tokenizer, layer_ids) -> dict:
-    from .data import DatasetArguments, load_text_dataset
-    from .feature_cache import build_feature_cache
-    from .tokenization import tokenize_dataset
+    from .corpora.loading import DatasetArguments, load_text_dataset
+    from .corpora.tokenization import tokenize_dataset
+    from .features.feature_cache import build_feature_cache
 
     dataset = load_text_dataset(DatasetArguments(dataset_name=str(run.stage_dir("answers") / "train.jsonl")))
     max_length = run.settings.max_prompt_tokens + run.settings.max_answer_tokens + 16
@@ -426,7 +427,7 @@ def distill_drafter(run: AdaptRun, features: dict) -> dict:
 
     from .devices import train_and_save
     from .distill import OspreyDistillConfig, OspreyDistillTrainer
-    from .feature_cache import FeatureCacheDataset
+    from .features.feature_cache import FeatureCacheDataset
 
     settings = run.settings
     batch = 4

@@ -13,9 +13,9 @@ from osprey.ground import CORPUS_NAMES
 
 TRL_STAGES = {
     "pretrain": ("trainers.pretrain", "train a pruned backbone on general text (stage 2)"),
-    "features": ("trainers.feature_cache", "precompute a target's features for distillation"),
+    "features": ("trainers.features.feature_cache", "precompute a target's features for distillation"),
     "distill": ("trainers.distill", "distill a converted drafter against its target with TTT (stage 4)"),
-    "regenerate": ("trainers.regenerate", "answer a chat corpus with the target itself (distillation data)"),
+    "regenerate": ("trainers.corpora.regenerate", "answer a chat corpus with the target itself (distillation data)"),
 }
 
 
@@ -88,14 +88,10 @@ def add_subcommand(subparsers) -> None:
 
 
 def _run_data(args) -> int:
-    from .data import (
-        EVAL_PROMPT_FINGERPRINTS,
-        prepare_general,
-        prepare_multilingual,
-        prepare_multilingual_chat,
-        prepare_sharegpt,
-        write_eval_fingerprints,
-    )
+    from .corpora.general import prepare_general
+    from .corpora.multilingual import prepare_multilingual
+    from .corpora.multilingual_chat import prepare_multilingual_chat
+    from .corpora.sharegpt import EVAL_PROMPT_FINGERPRINTS, prepare_sharegpt, write_eval_fingerprints
 
     if args.corpus != "eval-fingerprints" and (args.data_dir or args.output):
         raise ValueError("--data-dir and --output apply to eval-fingerprints only.")

@@ -25,7 +25,8 @@ from modeling_osprey.target_features import extract_target_features
 from osprey.models.pack import load_drafter
 from osprey.models.zoo import load_tokenizer
 
-from .data import DatasetArguments, load_text_dataset
+from .corpora.loading import DatasetArguments, load_text_dataset
+from .corpora.tokenization import tokenize_dataset
 from .devices import (
     compile_with_dynamic_shapes,
     load_target,
@@ -36,7 +37,7 @@ from .devices import (
     train_and_save,
     unwrap,
 )
-from .feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset, greedy_tokens
+from .features.feature_cache import SEQUENCE_FIELDS, FeatureCacheDataset, greedy_tokens
 from .losses import (
     head_for_loss,
     linear_soft_cross_entropy,
@@ -45,7 +46,6 @@ from .losses import (
     target_distribution,
 )
 from .pretrain import resume_argument
-from .tokenization import tokenize_dataset
 
 
 def check_replay_weight(weight: float, corpus: str | None) -> None:
@@ -91,7 +91,8 @@ class OspreyDistillConfig(TrainingArguments):
             Steps at which a checkpoint is saved and its model kept in `output_dir/kept/step-N`, out of reach of
             `save_total_limit`: the points of a learning curve in a long run (see `trainers.devices.KeepModelAt`).
         lm_replay_dataset (`str`, *optional*):
-            A text (or chat) corpus `trainers.data.load_text_dataset` reads, typically `multilingual`: its `train`
+            A text (or chat) corpus `trainers.corpora.loading.load_text_dataset` reads, typically `multilingual`: its
+            `train`
             split, tokenized by the drafter's tokenizer (`processing_class`), is replayed as plain language modelling
             (see `lm_replay_loss`) so that distillation on English answers does not erase the backbone's other
             languages. Needs `lm_replay_weight > 0`.
@@ -480,7 +481,8 @@ class OspreyDistillTrainer(Trainer):
 
     The target's features and distribution come from `target_model` run live on each batch, or from a feature cache:
     pass a [`FeatureCacheDataset`] as `train_dataset` (and `eval_dataset`), then no target is needed. Datasets of text
-    or chats are tokenized here (see `trainers.tokenization`); per-step losses and top-1 accuracies are logged as
+    or chats are tokenized here (see `trainers.corpora.tokenization`); per-step losses and top-1 accuracies are logged
+    as
     `ttt_loss_k` / `ttt_acc_k`.
 
     With `lm_replay_weight > 0` every training micro-batch also reads a replay batch of `lm_replay_dataset` (or of the

@@ -17,7 +17,7 @@ from trl import SFTConfig, SFTTrainer, TrlParser
 
 from osprey.models.zoo import load_causal_lm, load_tokenizer
 
-from .data import DatasetArguments, load_text_dataset
+from .corpora.loading import DatasetArguments, load_text_dataset
 from .devices import (
     compile_with_dynamic_shapes,
     loss_autocast,

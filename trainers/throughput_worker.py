@@ -135,7 +135,7 @@ def distill_worker(name: str, steps: int, callbacks: tuple = (), compile: bool =
 
     from modeling_osprey import OspreyConfig, OspreyForDrafting
     from trainers.distill import OspreyDistillConfig, OspreyDistillTrainer
-    from trainers.feature_cache import FeatureCacheDataset, TargetHead
+    from trainers.features.feature_cache import FeatureCacheDataset, TargetHead
 
     spec = DISTILL_CONFIGS[name]
     torch.manual_seed(0)
@@ -308,7 +308,7 @@ def features_worker(num_sequences: int) -> dict:
     from datasets import Dataset
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainers.feature_cache import build_feature_cache
+    from trainers.features.feature_cache import build_feature_cache
 
     directory = zoo_dir(SMOLLM2_135M)
     if (directory / "model.safetensors").is_file():
@@ -420,7 +420,7 @@ def compiled_ttt_worker(feature_cache: str, drafter_path: str, batches: int = 2)
 
     from modeling_osprey import OspreyForDrafting
     from trainers.distill import DistillDataCollator, label_positions, ttt_loss
-    from trainers.feature_cache import FeatureCacheDataset
+    from trainers.features.feature_cache import FeatureCacheDataset
 
     dataset = FeatureCacheDataset(feature_cache)
     drafter = OspreyForDrafting.from_pretrained(drafter_path).train()
@@ -455,7 +455,7 @@ def real_distill_worker(feature_cache: str, drafter_path: str, config_path: str,
 
     from osprey.models.pack import load_drafter
     from trainers.distill import DistillDataCollator, OspreyDistillConfig, OspreyDistillTrainer
-    from trainers.feature_cache import FeatureCacheDataset
+    from trainers.features.feature_cache import FeatureCacheDataset
 
     class CountingCollator(DistillDataCollator):
         def __call__(self, examples):

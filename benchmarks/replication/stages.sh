@@ -15,7 +15,7 @@ conversations_text() {  # conversations_text DATASET FILE: the training conversa
   [ -f "$2" ] && return
   log "draft-vocabulary corpus: the training conversations of $1 as text"
   .venv/bin/python -c "
-import sys; from trainers.data import DatasetArguments, load_text_dataset
+import sys; from trainers.corpora.loading import DatasetArguments, load_text_dataset
 dataset = load_text_dataset(DatasetArguments(dataset_name=sys.argv[1]))['train']
 with open(sys.argv[2] + '.partial', 'w') as out:
     for messages in dataset['messages']:

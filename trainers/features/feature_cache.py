@@ -39,9 +39,9 @@ from tqdm.auto import tqdm
 from modeling_osprey.target_features import TargetFeatureCapture, default_target_layer_ids
 from osprey.models.zoo import load_tokenizer
 
-from .data import DatasetArguments, load_text_dataset
-from .devices import load_target
-from .tokenization import tokenize_dataset
+from ..corpora.loading import DatasetArguments, load_text_dataset
+from ..corpora.tokenization import tokenize_dataset
+from ..devices import load_target
 
 CACHE_FORMAT = 1
 INDEX_NAME = "feature_cache.json"

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .data import DatasetArguments, load_text_dataset
+from .loading import DatasetArguments, load_text_dataset
 
 
 @dataclass
