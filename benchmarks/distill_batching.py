@@ -5,7 +5,7 @@
         [--steps 50] [--warmup-steps 4] --output benchmarks/results/distill-batching.json
 
 Each variant (`NAME[:FLAG=VALUE,...]`, the flags overriding the config's settings) trains `osprey distill`'s
-trainer from the same drafter in its own process (`trainers/throughput_worker.py real-distill`) for `--warmup-steps`
+trainer from the same drafter in its own process (`benchmarks/throughput_worker.py real-distill`) for `--warmup-steps`
 untimed steps (`torch.compile`, allocations) and `--steps` timed ones. Throughput counts the tokens the batches hold,
 not the padding the trainer computes beside them, so variants that batch differently compare fairly; the JSON also
 gives each variant's share of padded positions and its ratio to the first variant.
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "trainers" / "throughput_worker.py"
+WORKER = REPO / "benchmarks" / "throughput_worker.py"
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:

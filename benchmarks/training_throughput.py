@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DISTILL_CONFIGS = ("distill-qwen2.5-coder-1.5b", "distill-smollm2-135m")  # shapes: trainers/throughput_worker.py
+DISTILL_CONFIGS = ("distill-qwen2.5-coder-1.5b", "distill-smollm2-135m")  # shapes: benchmarks/throughput_worker.py
 RESULTS = REPO / "benchmarks" / "results" / "training-throughput.json"
 # ------------------------------------------------------------------------------------------------- model FLOPs
 
@@ -106,7 +106,7 @@ THREADS = "1"  # per process: on a shared 2-core machine two threads wait on eac
 # The current trainers run with `torch_compile` (dynamic shapes), as trainers/configs and benchmarks/replication set
 # it; the baseline commit's as they ran then.
 CURRENT_SETTINGS = ("compile",)
-WORKER = REPO / "trainers" / "throughput_worker.py"  # run by path: it imports whichever trainers PYTHONPATH names
+WORKER = REPO / "benchmarks" / "throughput_worker.py"  # run by path: it imports whichever trainers PYTHONPATH names
 
 
 def run_worker(pythonpath: Path, *args: str, timeout: int = 3600) -> dict:

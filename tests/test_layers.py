@@ -2,7 +2,8 @@
 
     modeling_osprey   (floor 0: the Hub remote code; torch, transformers and safetensors only, relative imports)
     osprey            (floor 1: the pipeline and its ground module)
-    trainers, space, benchmarks   (floor 2: each builds on the floors below, never on one another)
+    trainers, space   (floor 2: each builds on the floors below, never on the other)
+    benchmarks        (floor 3: the replication drivers and measured workers, which time the trainers too)
 
 Inside `osprey`, the sub-packages have an order of their own (`ROOMS`): each imports only its own room and the rooms
 ranked below it; two rooms of one rank (`stages`, `decoding`) never import each other.
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOORS = {"modeling_osprey": 0, "hub_cards": 0, "osprey": 1, "trainers": 2, "space": 2, "benchmarks": 2}
+FLOORS = {"modeling_osprey": 0, "hub_cards": 0, "osprey": 1, "trainers": 2, "space": 2, "benchmarks": 3}
 CLI_ENTRY = ROOT / "osprey" / "cli.py"
 # What the remote code may import besides itself: it must load where only transformers (and torch) are installed.
 REMOTE_CODE_IMPORTS = {"torch", "transformers", "safetensors"}
@@ -129,7 +130,11 @@ def test_every_floor_imports_only_the_floors_below_it():
             "imports space.app, floor 2",
         ),
         ("trainers/corpora/loading.py", "from space import allowlist\n", "imports space, floor 2"),
-        ("trainers/corpora/loading.py", "M = 'benchmarks.x'\nimportlib.import_module(M)\n", "imports benchmarks.x"),
+        (
+            "trainers/corpora/loading.py",
+            "M = 'benchmarks.x'\nimportlib.import_module(M)\n",
+            "imports benchmarks.x, floor 3",
+        ),
         ("modeling_osprey/modeling_osprey.py", "def f():\n    from osprey.models.hub import push\n", "cannot count on"),
         ("modeling_osprey/modeling_osprey.py", "from modeling_osprey import configuration_osprey\n", "absolutely"),
     ],

@@ -256,7 +256,7 @@ def _argmax(
 ) -> torch.LongTensor:
     """`scores.argmax(dim=-1)` (the first maximum of each row) from `_row_maxima`: the first block that reaches the
     row's maximum, then the first column of that block that does. Compiled, only the block maxima pass over the whole
-    row: faster than a min over all the columns reaching the maximum (`trainers/throughput_worker.py loss-kernels`),
+    row: faster than a min over all the columns reaching the maximum (`benchmarks/throughput_worker.py loss-kernels`),
     which is itself about 4x faster than inductor's argmax over float32 scores read from bf16 logits. A row with a
     NaN gets its last index instead of the NaN's."""
     if maximum is None or block_maxima is None:

@@ -5,7 +5,7 @@ Run by path (`runpy`) with `PYTHONPATH` pointing at the trainers to measure, the
 checkout: it uses only the API both share (`OspreyDistillTrainer`, `OspreyPretrainer`, `FeatureCacheDataset`,
 `TargetHead`, `build_feature_cache`), so the same worker times both.
 
-    python trainers/throughput_worker.py distill|pretrain|features|matmul|configs ARGS...
+    python benchmarks/throughput_worker.py distill|pretrain|features|matmul|configs ARGS...
 
 `distill NAME STEPS [compile]` and `pretrain STEPS [compile]` train with `torch_compile` (dynamic shapes) given
 `compile`, as the shipped configs do; an older commit's trainers run as they were. `self-distill STEPS [compile]
@@ -13,23 +13,24 @@ checkout: it uses only the API both share (`OspreyDistillTrainer`, `OspreyPretra
 
 It also profiles a distillation step, the start of any work on its speed (one thread, as the throughput runs):
 
-    OMP_NUM_THREADS=1 python trainers/throughput_worker.py profile distill-qwen2.5-coder-1.5b [ROWS] [shapes] [compile]
+    OMP_NUM_THREADS=1 python benchmarks/throughput_worker.py profile distill-qwen2.5-coder-1.5b \
+        [ROWS] [shapes] [compile]
 
 prints the ops by self CPU time (stderr; with `shapes`, each op per input shapes), then the step's milliseconds per
 token in matmuls, the compiled loss kernels, the chain attention and the rest (stdout, JSON). The profiler adds a few
 percent to small ops. The TTT loss eager against compiled (bf16 autocast) on a real feature cache and drafter, per step:
 
-    python trainers/throughput_worker.py compiled-ttt FEATURE_CACHE DRAFTER [BATCHES]
+    python benchmarks/throughput_worker.py compiled-ttt FEATURE_CACHE DRAFTER [BATCHES]
 
 A real distillation (a feature cache, a drafter and a YAML config, with `FLAG=VALUE` overrides such as
 `train_sampling_strategy=group_by_length` or `torch_compile=true`) for STEPS timed steps after WARMUP, counting the
 tokens each batch trains on and the positions it computes (padding included), for `benchmarks/distill_batching.py`:
 
-    python trainers/throughput_worker.py real-distill FEATURE_CACHE DRAFTER CONFIG STEPS WARMUP [FLAG=VALUE ...]
+    python benchmarks/throughput_worker.py real-distill FEATURE_CACHE DRAFTER CONFIG STEPS WARMUP [FLAG=VALUE ...]
 
 The loss kernels alone, per chunk of rows (default 256 x 32,000):
 
-    OMP_NUM_THREADS=1 python trainers/throughput_worker.py loss-kernels [ROWS] [VOCAB]
+    OMP_NUM_THREADS=1 python benchmarks/throughput_worker.py loss-kernels [ROWS] [VOCAB]
 """
 
 import json
@@ -38,6 +39,29 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+# Where the trainers and the pipeline had their modules before they were sub-packages: the worker also times an older
+# commit's checkout (PYTHONPATH), which has only these.
+EARLIER_MODULES = {
+    "trainers.features.feature_cache": "trainers.feature_cache",
+    "osprey.models.zoo": "osprey.zoo",
+    "osprey.stages.prune": "osprey.prune",
+    "osprey.models.pack": "osprey.pack",
+}
+
+
+def moved_names(module: str, *names: str) -> tuple:
+    """`names` from `module`, or from its earlier place in a checkout from before the move."""
+    import importlib
+
+    try:
+        found = importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if not module.startswith(f"{error.name}.") and error.name != module:
+            raise
+        found = importlib.import_module(EARLIER_MODULES[module])
+    return tuple(getattr(found, name) for name in names)
+
 
 QWEN_VOCAB, SMOLLM_VOCAB = 151936, 49152
 DISTILL_CONFIGS = {
@@ -135,7 +159,10 @@ def distill_worker(name: str, steps: int, callbacks: tuple = (), compile: bool =
 
     from modeling_osprey import OspreyConfig, OspreyForDrafting
     from trainers.distill import OspreyDistillConfig, OspreyDistillTrainer
-    from trainers.features.feature_cache import FeatureCacheDataset, TargetHead
+
+    FeatureCacheDataset, TargetHead = moved_names(
+        "trainers.features.feature_cache", "FeatureCacheDataset", "TargetHead"
+    )
 
     spec = DISTILL_CONFIGS[name]
     torch.manual_seed(0)
@@ -277,8 +304,9 @@ def self_distill_worker(steps: int, compile: bool = False, bf16: bool = False) -
     import yaml
 
     import trainers
-    from osprey.models.zoo import load_causal_lm, load_tokenizer
-    from osprey.stages.prune import prune
+
+    load_causal_lm, load_tokenizer = moved_names("osprey.models.zoo", "load_causal_lm", "load_tokenizer")
+    (prune,) = moved_names("osprey.stages.prune", "prune")
 
     recipe = yaml.safe_load((Path(trainers.__file__).parent / "configs" / QWEN_STAGE2_CONFIG).read_text())
     parent = load_causal_lm(QWEN_0_5B, dtype=torch.bfloat16 if bf16 else torch.float32)
@@ -308,7 +336,7 @@ def features_worker(num_sequences: int) -> dict:
     from datasets import Dataset
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainers.features.feature_cache import build_feature_cache
+    (build_feature_cache,) = moved_names("trainers.features.feature_cache", "build_feature_cache")
 
     directory = zoo_dir(SMOLLM2_135M)
     if (directory / "model.safetensors").is_file():
@@ -420,7 +448,8 @@ def compiled_ttt_worker(feature_cache: str, drafter_path: str, batches: int = 2)
 
     from modeling_osprey import OspreyForDrafting
     from trainers.distill import DistillDataCollator, label_positions, ttt_loss
-    from trainers.features.feature_cache import FeatureCacheDataset
+
+    (FeatureCacheDataset,) = moved_names("trainers.features.feature_cache", "FeatureCacheDataset")
 
     dataset = FeatureCacheDataset(feature_cache)
     drafter = OspreyForDrafting.from_pretrained(drafter_path).train()
@@ -453,9 +482,10 @@ def real_distill_worker(feature_cache: str, drafter_path: str, config_path: str,
     over the timed steps, counting the tokens the batches hold (not their padding), and the share of padding."""
     import yaml
 
-    from osprey.models.pack import load_drafter
+    (load_drafter,) = moved_names("osprey.models.pack", "load_drafter")
     from trainers.distill import DistillDataCollator, OspreyDistillConfig, OspreyDistillTrainer
-    from trainers.features.feature_cache import FeatureCacheDataset
+
+    (FeatureCacheDataset,) = moved_names("trainers.features.feature_cache", "FeatureCacheDataset")
 
     class CountingCollator(DistillDataCollator):
         def __call__(self, examples):
