@@ -47,6 +47,7 @@ EARLIER_MODULES = {
     "osprey.models.zoo": "osprey.zoo",
     "osprey.stages.prune": "osprey.prune",
     "osprey.models.pack": "osprey.pack",
+    "trainers.ttt": "trainers.distill",
 }
 
 
@@ -447,7 +448,9 @@ def compiled_ttt_worker(feature_cache: str, drafter_path: str, batches: int = 2)
     import torch
 
     from modeling_osprey import OspreyForDrafting
-    from trainers.distill import DistillDataCollator, label_positions, ttt_loss
+    from trainers.distill import DistillDataCollator
+
+    label_positions, ttt_loss = moved_names("trainers.ttt", "label_positions", "ttt_loss")
 
     (FeatureCacheDataset,) = moved_names("trainers.features.feature_cache", "FeatureCacheDataset")
 

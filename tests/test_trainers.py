@@ -1309,7 +1309,7 @@ def test_lm_replay_of_a_converted_drafter_is_its_backbones_cross_entropy(tmp_pat
     """The replay term reads no target features: on a freshly converted drafter it is the backbone's own next-token
     cross-entropy over the draft vocabulary (next tokens outside it ignored), and it stays so whatever the feature
     weights become in training; the control reads features and no longer computes the backbone."""
-    from trainers.distill import lm_replay_loss, target_to_draft_ids
+    from trainers.ttt import lm_replay_loss, target_to_draft_ids
 
     backbone, drafter, _, _ = converted_drafter(tmp_path)
     batch = padded_text_batch([14, 9], seed=2)
@@ -1378,7 +1378,8 @@ def test_replay_adds_its_weighted_cross_entropy_and_lowers_it(tmp_path):
     """The training loss is `ttt + lm_replay_weight * replay` (logged as `lm_replay_loss`, evaluation leaves it
     out), and with the term on a few steps lower the drafter's cross-entropy on the replay text well below the same
     run's without it."""
-    from trainers.distill import lm_replay_loss, replay_indices, target_to_draft_ids, ttt_loss
+    from trainers.distill import replay_indices
+    from trainers.ttt import lm_replay_loss, target_to_draft_ids, ttt_loss
 
     target, tokenizer = predictable_target(), char_tokenizer()
     replay_text, weight = text_dataset(16), 0.5

@@ -20,7 +20,7 @@ _EXPORTS = {
     "OspreyDistillConfig": "distill",
     "OspreyDistillTrainer": "distill",
     "DistillDataCollator": "distill",
-    "ttt_loss": "distill",
+    "ttt_loss": "ttt",
     "soft_cross_entropy": "losses",
     "linear_soft_cross_entropy": "losses",
     "head_for_loss": "losses",
