@@ -558,7 +558,7 @@ def test_bf16_distillation_keeps_the_drafter_logits_in_bf16_and_computes_the_sam
     """With bf16, accelerate's forward wrapper would hand the loss float32 copies of the drafter's logits (and cast
     their gradient back); the trainer runs the TTT loss under one autocast instead: the fused head computes bf16
     logits and the same loss, with loss and gradients equal up to bf16 rounding."""
-    import trainers.distill
+    import trainers.ttt
 
     target = predictable_target()
     config = distill_config(tmp_path, bf16=True, use_cpu=True, max_steps=1, per_device_train_batch_size=2)
@@ -568,7 +568,7 @@ def test_bf16_distillation_keeps_the_drafter_logits_in_bf16_and_computes_the_sam
     model = trainer.accelerator.prepare_model(trainer.model)  # as train() does: accelerate's autocast wrapper
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     # the fused head computes the logits in `compute_dtype` of its input: the autocast dtype inside one
-    seen = record_logit_dtypes(monkeypatch, trainers.distill, "linear_soft_cross_entropy", compute_dtype)
+    seen = record_logit_dtypes(monkeypatch, trainers.ttt, "linear_soft_cross_entropy", compute_dtype)
     features, target_logits, target_argmax = trainer._target_signals(inputs, trainer.model)
     args = (inputs["input_ids"], features, target_logits, target_argmax, inputs["loss_mask"])
     wrapped = ttt_loss(model, *args, model.draft_to_target, num_steps=config.ttt_steps).loss
