@@ -8,5 +8,5 @@ OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
 python3 benchmarks/gpu/check.py --output "$OUT/gpu-check.json" 2>&1 | tee "$OUT/gpu-check.log"
 check=${PIPESTATUS[0]}
-python3 -m pytest -q -p no:cacheprovider tests/test_trainers.py -k "not cpu_safe" 2>&1 | tail -25 | tee "$OUT/trainer-tests.log"
+python3 -m pytest -q -p no:cacheprovider tests/test_trainers.py tests/test_losses.py tests/test_feature_cache.py tests/test_resume.py tests/test_replay.py -k "not cpu_safe" 2>&1 | tail -25 | tee "$OUT/trainer-tests.log"
 exit $check
