@@ -19,8 +19,8 @@ from osprey.models import zoo
 from osprey.models.model_card import backbone_card
 from osprey.models.pack import load_drafter
 from trainers import adapt as adapt_module
-from trainers import regenerate
 from trainers.adapt import AdaptRun, AdaptSettings, adapt, parse_amount, parse_minutes
+from trainers.corpora import regenerate
 
 
 @pytest.fixture(scope="module")

@@ -348,7 +348,7 @@ def test_chat_examples_train_on_assistant_tokens_only():
 
 
 def test_a_corpus_is_tokenized_once_per_tokenizer_and_settings(tmp_path, monkeypatch):
-    from trainers import tokenization
+    from trainers.corpora import tokenization
 
     chats = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}] for i in range(6)]
     Dataset.from_dict({"messages": chats}).to_parquet(str(tmp_path / "chats.parquet"))
