@@ -298,8 +298,7 @@ QWEN_0_5B = "qwen2.5-coder-0.5b-instruct"
 def self_distill_worker(steps: int, compile: bool = False, bf16: bool = False) -> dict:
     """Stage 2 of the same-tokenizer backbone as `benchmarks/replication/stage2_qwen.sh` runs it: the zoo's
     Qwen2.5-Coder-0.5B-Instruct pruned to its first 2 blocks (`osprey.stages.prune.prune`), self-distilled from the
-    whole
-    model (its config's weights, temperature and frozen embedding and head), on random tokens, 2 x 1,024 per step
+    whole model (its config's weights, temperature and frozen embedding and head), on random tokens, 2 x 1,024 per step
     (one micro-batch); the parent in bfloat16 with `bf16` (autocast), else in float32, as the trainer loads it."""
     import torch
     import yaml

@@ -436,9 +436,8 @@ def _stream_osprey(request: _Request):
 def difference_note(request: _Request, osprey_ids: list[int], target_ids: list[int]) -> str:
     """For a greedy run whose output differs from the target alone's: where, and whether rounding explains it
     (`osprey.decoding.near_tie.replay`: Osprey decodes again, and the verification forward that decided the first
-    differing
-    token must have chosen it and agree with a clean forward within rounding). Empty when the outputs are equal or
-    when sampling (where they differ by design)."""
+    differing token must have chosen it and agree with a clean forward within rounding). Empty when the outputs are
+    equal or when sampling (where they differ by design)."""
     if request.temperature > 0 or first_divergence(target_ids, osprey_ids) is None:
         return ""
     with request.lock:

@@ -161,8 +161,7 @@ def test_packaged_drafter_drafts_for_the_real_target(smollm2_cache, monkeypatch,
 def test_demo_in_bf16_explains_every_difference_and_fails_on_a_wrong_verification(smollm2_cache, monkeypatch, tmp_path):
     """In bfloat16 an output may leave the target's own decoding only where the replay shows rounding flipped a near
     tie (`osprey.decoding.near_tie.replay`); the control, a verification that takes the target's second-best token,
-    makes
-    `osprey demo` fail, every one of its differing outputs flagged."""
+    makes `osprey demo` fail, every one of its differing outputs flagged."""
     monkeypatch.setenv("OSPREY_HOME", str(smollm2_cache))
     command = ["demo", "--target", PILOT, "--drafter", str(PILOT_DRAFTER_DIR), "--max-new-tokens", "24"]
     command += ["--dtype", "bfloat16"]

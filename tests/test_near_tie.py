@@ -1,9 +1,8 @@
 """`osprey.decoding.near_tie`: an output that differs from the target alone's is replayed at its first differing token:
-the
-token must be the argmax of the verification forward that decided it, and that forward's logits must agree with a
-clean forward's within rounding ("rounding (shape-dependent)"), else "UNEXPLAINED". Failing controls: a verifier
-that emits a non-argmax token (a wrong decision) and one that keeps the wrong tree nodes in the cache (a wrong
-forward); a bench run in bf16 labels its differences with the same check."""
+the token must be the argmax of the verification forward that decided it, and that forward's logits must agree with a
+clean forward's within rounding ("rounding (shape-dependent)"), else "UNEXPLAINED". Failing controls: a verifier that
+emits a non-argmax token (a wrong decision) and one that keeps the wrong tree nodes in the cache (a wrong forward); a
+bench run in bf16 labels its differences with the same check."""
 
 import copy
 import json

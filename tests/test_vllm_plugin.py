@@ -3,9 +3,8 @@ of a drafter against the target (`osprey_vllm.checks`), and the constants it sha
 
 The plugin lives in vLLM's environment and imports nothing of osprey (tests/test_layers.py), so it repeats the
 architecture name and format version that `osprey.serving.export` writes; these tests import both and hold them equal.
-The
-plugin's package is imported from `serving/vllm` (its `__init__` and `checks` import nothing of vLLM); `register` runs
-against a stand-in `vllm` module whose version each test sets. tests/test_vllm.py runs the plugin in vLLM itself.
+The plugin's package is imported from `serving/vllm` (its `__init__` and `checks` import nothing of vLLM); `register`
+runs against a stand-in `vllm` module whose version each test sets. tests/test_vllm.py runs the plugin in vLLM itself.
 """
 
 import ast

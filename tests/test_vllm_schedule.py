@@ -1,6 +1,5 @@
 """The draft length per batch size (`osprey.serving.vllm_schedule`): the rule that turns measured costs and acceptance
-into
-vLLM's `num_speculative_tokens_per_batch_size`, without vLLM."""
+into vLLM's `num_speculative_tokens_per_batch_size`, without vLLM."""
 
 import json
 

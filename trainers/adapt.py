@@ -5,8 +5,7 @@
 
 The stages, each writing its product to `DIR/<stage>/` and marking it done (`DIR/adapt.json` records the times):
 
-1. `answers`: the target answers openings of a prompt set, greedily and batched (`trainers.corpora.regenerate`). The
-default
+1. `answers`: the target answers a prompt set's openings greedily, batched (`trainers.corpora.regenerate`). The default
    set mixes ShareGPT and the `multilingual-chat` corpus (28 languages) half and half: a drafter learns the text its
    target writes, in the languages it will be asked in. `--prompts` takes the user's own (a JSONL file of `messages`
    or `prompt` records, a folder, a corpus name or a Hub dataset). A target with no chat template (a base model)

@@ -86,9 +86,8 @@ class OspreyDistillConfig(TrainingArguments):
             `save_total_limit`: the points of a learning curve in a long run (see `trainers.devices.KeepModelAt`).
         lm_replay_dataset (`str`, *optional*):
             A text (or chat) corpus `trainers.corpora.loading.load_text_dataset` reads, typically `multilingual`: its
-            `train`
-            split, tokenized by the drafter's tokenizer (`processing_class`), is replayed as plain language modelling
-            (see `lm_replay_loss`) so that distillation on English answers does not erase the backbone's other
+            `train` split, tokenized by the drafter's tokenizer (`processing_class`), is replayed as plain language
+            modelling (see `lm_replay_loss`) so that distillation on English answers does not erase the backbone's other
             languages. Needs `lm_replay_weight > 0`.
         lm_replay_weight (`float`, *optional*, defaults to 0.0):
             Each training micro-batch's loss adds `lm_replay_weight * CE`, `CE` the drafter's mean next-token
@@ -308,8 +307,7 @@ class OspreyDistillTrainer(Trainer):
     The target's features and distribution come from `target_model` run live on each batch, or from a feature cache:
     pass a [`FeatureCacheDataset`] as `train_dataset` (and `eval_dataset`), then no target is needed. Datasets of text
     or chats are tokenized here (see `trainers.corpora.tokenization`); per-step losses and top-1 accuracies are logged
-    as
-    `ttt_loss_k` / `ttt_acc_k`.
+    as `ttt_loss_k` / `ttt_acc_k`.
 
     With `lm_replay_weight > 0` every training micro-batch also reads a replay batch of `lm_replay_dataset` (or of the
     `lm_replay_dataset` passed here: a `datasets.Dataset` of text, chats or `input_ids`) without target features and

@@ -16,8 +16,7 @@ Prompts come from the suites the results name (`spec_bench`, `mt_bench`, `humane
 from `--prompts FILE` (a JSONL file or folder, named as the bench named it). Results saved without their dtype need
 `--dtype`. Exit status 1 if any difference is UNEXPLAINED or could not be checked ("not checked", allowed with
 `--allow-unchecked`: the rule `osprey bench` exits by, `osprey.measuring.bench_report.fails`), or a target-alone output
-needed
-for the check could not be reproduced.
+needed for the check could not be reproduced.
 """
 
 import argparse
@@ -51,8 +50,7 @@ def _key(row: dict) -> tuple[str, str, str]:
 def prompts_for(results: dict, extra: list[str], data_dir: str | None) -> list:
     """Every prompt the results may name: the demo's, the named suites', `--prompts`, and for `held_out` (tuning
     runs, `osprey.measuring.bench_suites.held_out_prompts`) those held out of the suites' 1- to 3-per-category benches
-    (a
-    request is matched by suite, category and prompt id, so prompts it does not name are never used)."""
+    (a request is matched by suite, category and prompt id, so prompts it does not name are never used)."""
     prompts = list(DEMO_PROMPTS) if "demo" in results["prompts"] else []
     prompts += [prompt for suite in results["prompts"] if suite in SUITES for prompt in load_suite(suite, data_dir)]
     if "held_out" in results["prompts"]:

@@ -3,8 +3,7 @@
 Such results keep each request's completion and the SHA-256 of its new token ids (`output_sha256`), which is enough to
 rebuild the ids: the completion tokenized again, checked against the hash. `osprey bench` itself refuses them
 (`osprey.measuring.bench.check_output_ids`); label_differences.py labels their differences through `label_divergences`,
-which
-gives `osprey.measuring.bench.label_divergences` copies of the requests with their ids rebuilt.
+which gives `osprey.measuring.bench.label_divergences` copies of the requests with their ids rebuilt.
 """
 
 from osprey.measuring.bench import label_divergences, output_sha256
@@ -47,13 +46,11 @@ def label_divergences_rebuilding_ids(
     target, tokenizer, results: dict, prompts: list, eos_ids: list[int], methods: list
 ) -> None:
     """`osprey.measuring.bench.label_divergences` for results that may hold requests saved without `output_ids`: it
-    labels
-    copies of the requests with their ids rebuilt (`output_token_ids`, the target alone's guided by the differing
+    labels copies of the requests with their ids rebuilt (`output_token_ids`, the target alone's guided by the differing
     output where they cannot be rebuilt alone) and gives each request its copy's label; the saved requests keep their
     fields otherwise. `methods` (`osprey.measuring.methods.BenchMethod`s) replay the differences; a differing request
-    whose ids,
-    or whose target-alone reference's, cannot be rebuilt, or whose method is not among them, is left unlabelled ("not
-    checked")."""
+    whose ids, or whose target-alone reference's, cannot be rebuilt, or whose method is not among them, is left
+    unlabelled ("not checked")."""
     baseline = next((name for name, spec in results["methods"].items() if spec == "target"), None)
     references = {_key(row): row for row in results["requests"] if row["method"] == baseline}
     texts = {(prompt.suite, prompt.category, prompt.prompt_id) for prompt in prompts}

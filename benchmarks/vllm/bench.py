@@ -13,17 +13,15 @@ the bench's (`held_out_prompts`: the next seeded prompt of each category, `--tun
 tokens/s at one request at a time (`osprey-schedule` keeps its schedule's); then every method decodes the bench's
 prompts with its chosen length at each concurrency N: all the prompts, at most N in the engine at once. Every engine
 is a subprocess in vLLM's environment (`osprey/serving/vllm_engine.py`, `--vllm-python`), vLLM's default multi-process
-engine
-(engine core and worker in their own processes, as a server runs), without the prefix cache (`job_of` says why),
-greedy, in the target's `--dtype`, eager
-(`enforce_eager`: an engine start without torch.compile takes ~1 min here instead of 2-4); `--omp-threads-bind` and
-`--reserved-cpus` set vLLM's `VLLM_CPU_OMP_THREADS_BIND` and `VLLM_CPU_NUM_OF_RESERVED_CPU`, and every record keeps
-the CPU settings its engine ran with. Each engine's result is kept in `--work-dir`, so a rerun resumes. tau is vLLM's
-mean acceptance length (1 + accepted draft tokens per draft, from its spec-decode counters); speedup is tokens/s over
-vLLM alone's at the same concurrency. With `--profile`, a separate in-process run at the largest concurrency times the
-target's and the drafter's forward passes of those methods (where the time goes). Writes OUTPUT (`records`: method,
-concurrency, tau, tokens_per_s, speedup; plus the tuning, the schedule, the profile and the settings) and OUTPUT's .md
-and .png.
+engine (engine core and worker in their own processes, as a server runs), without the prefix cache (`job_of` says why),
+greedy, in the target's `--dtype`, eager (`enforce_eager`: an engine start without torch.compile takes ~1 min here
+instead of 2-4); `--omp-threads-bind` and `--reserved-cpus` set vLLM's `VLLM_CPU_OMP_THREADS_BIND` and
+`VLLM_CPU_NUM_OF_RESERVED_CPU`, and every record keeps the CPU settings its engine ran with. Each engine's result is
+kept in `--work-dir`, so a rerun resumes. tau is vLLM's mean acceptance length (1 + accepted draft tokens per draft,
+from its spec-decode counters); speedup is tokens/s over vLLM alone's at the same concurrency. With `--profile`, a
+separate in-process run at the largest concurrency times the target's and the drafter's forward passes of those methods
+(where the time goes). Writes OUTPUT (`records`: method, concurrency, tau, tokens_per_s, speedup; plus the tuning, the
+schedule, the profile and the settings) and OUTPUT's .md and .png.
 """
 
 import argparse
@@ -91,9 +89,8 @@ def run_engine(args, name: str, job: dict) -> dict:
 
 def job_of(args, target_dir: str, config: dict | None, prompt_ids: list, concurrencies: list[int], **extra) -> dict:
     """One engine's job (osprey/serving/vllm_engine.py): the target in `--dtype`, eager, greedy, `--max-new-tokens`,
-    without
-    vLLM's prefix cache. Every phase sends the same prompts again; with the cache on, a phase after the first finds
-    them cached, and vLLM resumes a resent prompt one cache block earlier with an EAGLE-style drafter (EAGLE-3,
+    without vLLM's prefix cache. Every phase sends the same prompts again; with the cache on, a phase after the first
+    finds them cached, and vLLM resumes a resent prompt one cache block earlier with an EAGLE-style drafter (EAGLE-3,
     Osprey) than without (`v1/core/kv_cache_coordinator.py:replay_boundaries`), a 128-token block on CPUs: the bench
     would time the methods' unequal cache hits instead of the distinct requests a server sees."""
     return {

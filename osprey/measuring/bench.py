@@ -261,12 +261,11 @@ def run_benchmark(
 def label_divergences(target, tokenizer, results: dict, prompts: list[BenchPrompt], methods: list[BenchMethod]) -> None:
     """Gives every greedy request whose output differs from the target alone's on the same prompt its `divergence`
     (`osprey.decoding.near_tie.replay`: the method decodes that prompt again, the verification forward that decided the
-    first
-    differing token is checked, "rounding (shape-dependent)" or "UNEXPLAINED"), and equal ones `divergence: None`.
-    Then, as information, the target's float32 margin there (one float32 pass for all; skipped where the target does
-    not fit in float32). Requests already labelled are skipped, and so are those whose prompt is not in `prompts` or
-    whose method is not in `methods` (left "not checked"). A differing request, or its target-alone reference, saved
-    without token ids (`output_ids`: results saved before the bench kept them) is refused (`check_output_ids`)."""
+    first differing token is checked, "rounding (shape-dependent)" or "UNEXPLAINED"), and equal ones `divergence: None`.
+    Then, as information, the target's float32 margin there (one float32 pass for all; skipped where the target does not
+    fit in float32). Requests already labelled are skipped, and so are those whose prompt is not in `prompts` or whose
+    method is not in `methods` (left "not checked"). A differing request, or its target-alone reference, saved without
+    token ids (`output_ids`: results saved before the bench kept them) is refused (`check_output_ids`)."""
     baseline = next((name for name, spec in results["methods"].items() if spec == "target"), None)
     if baseline is None or results["settings"]["do_sample"]:
         return

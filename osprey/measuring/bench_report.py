@@ -11,8 +11,7 @@ Definitions (the `evaluate` modules under `metrics/` compute the same from users
 - output = target (greedy): the share of requests whose output equals the target alone's on the same prompt; every
   other one is labelled "rounding (shape-dependent)" or "UNEXPLAINED" by a replay of its first differing token
   (`osprey.decoding.near_tie.replay`), or "not checked" where that check could not run, and the table lists each.
-  UNEXPLAINED and
-  "not checked" fail the run (`fails`).
+  UNEXPLAINED and "not checked" fail the run (`fails`).
 """
 
 import sys

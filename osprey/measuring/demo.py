@@ -1,11 +1,9 @@
 """`osprey demo`: the main job on an embedded default. A trained Osprey drafter ships inside the package, packed under
 50 MB (`osprey.models.pack`): for Qwen2.5-Coder-1.5B-Instruct, its 2-block Qwen2.5-Coder-0.5B backbone packed against
-that
-zoo model. The demo fetches the target (and the packed drafter's reference model) from the zoo on first use, then
+that zoo model. The demo fetches the target (and the packed drafter's reference model) from the zoo on first use, then
 decodes a few prompts of several categories and languages with the drafter and with the target alone, in one process,
 printing τ and the speedup with the decoding settings measured best for that drafter on held-out prompts. `--drafter`
-runs any other drafter (packed or not) instead, e.g. the SmolLM2 pilot kept in the repository
-(`REPOSITORY_DRAFTERS`).
+runs any other drafter (packed or not) instead, e.g. the SmolLM2 pilot kept in the repository (`REPOSITORY_DRAFTERS`).
 """
 
 import json

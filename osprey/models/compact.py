@@ -2,8 +2,7 @@
 
 `osprey pack --checkpoint DIR --reference ZOO_NAME --output PACKED` / `osprey unpack --checkpoint PACKED --output DIR`
 (the CLI lives with the packed drafter format in `osprey.models.pack`). Unlike a packed drafter, any transformers
-checkpoint
-can be packed this way: a pruned backbone, a trainer's checkpoint folder, a drafter.
+checkpoint can be packed this way: a pruned backbone, a trainer's checkpoint folder, a drafter.
 
 A pruned backbone, a stage-2 checkpoint or a drafter made from a zoo model holds large tensors that are copies of
 that model's: the embedding and LM head of a Qwen2.5 backbone alone are 2 x 136 M parameters. `pack` stores each

@@ -2,10 +2,9 @@
 
 The drafter reads target token ids, so its embedding and LM head are re-indexed to the target vocabulary
 (`osprey.stages.vocab_alignment`). Its fusion block reads `[hidden_norm(fc(target taps)) ; input_layernorm(tokens)]`:
-the
-q/k/v columns over the target features start at zero, so before any training the drafter computes exactly what the
-backbone computes, whatever the target's hidden states are. `fc` starts as the identity on the deepest tap, so the
-first gradient steps see meaningful target features instead of noise.
+the q/k/v columns over the target features start at zero, so before any training the drafter computes exactly what the
+backbone computes, whatever the target's hidden states are. `fc` starts as the identity on the deepest tap, so the first
+gradient steps see meaningful target features instead of noise.
 
 Only the target's config and tokenizer are read, never its weights.
 """
@@ -170,10 +169,9 @@ def convert(
     the most frequent target tokens of the `corpus` text files. With `output_dir` (new or empty), the drafter is saved
     there with the target's tokenizer, `alignment_report.json` and a generation config drafting 5 tokens per step.
     `preset` (`osprey.stages.presets`: a name, `"auto"` or `"none"`) supplies the taps when `target_layer_ids` is None
-    and
-    adds a seed target's end-of-turn tokens to the generation config's eos ids. `draft_vocab_from` (a drafter for
-    the same target, anything `load_drafter` accepts) gives the drafter exactly that drafter's draft vocabulary
-    instead of counting a corpus: to compare backbones, or to rebuild a drafter whose corpus cannot be rebuilt.
+    and adds a seed target's end-of-turn tokens to the generation config's eos ids. `draft_vocab_from` (a drafter for
+    the same target, anything `load_drafter` accepts) gives the drafter exactly that drafter's draft vocabulary instead
+    of counting a corpus: to compare backbones, or to rebuild a drafter whose corpus cannot be rebuilt.
     """
     output_dir = None if output_dir is None else require_empty_output_dir(output_dir)
     target_config, target_tokenizer, target_dir = _load_target(target, target_tokenizer)

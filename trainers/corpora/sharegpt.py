@@ -75,8 +75,7 @@ def normalize_prompt(text: str) -> str:
 
 
 # Evaluation prompts ship as fingerprints (`trainers/eval_prompt_fingerprints.json`, package data): the corpus keeps
-# them
-# out wherever it is built, without the benchmarks' files, which the package does not redistribute.
+# them out wherever it is built, without the benchmarks' files, which the package does not redistribute.
 EVAL_PROMPT_FINGERPRINTS = Path(__file__).parent.parent / "eval_prompt_fingerprints.json"
 
 
