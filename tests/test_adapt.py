@@ -61,7 +61,7 @@ def test_adapt_makes_a_drafter_then_a_rerun_skips_every_stage_and_other_settings
     tiny_models, tmp_path, monkeypatch
 ):
     output = tmp_path / "run"
-    state = adapt(output, _settings(tiny_models, export="vllm"))
+    state = adapt(output, _exporting(tiny_models))
     stages = state["stages"]
     assert all(stages[name]["done"] for name in ("answers", "drafter-init", "features", "distill", "drafter", "export"))
     assert {"config.json", "model.safetensors"} <= {path.name for path in (output / "export" / "vllm").iterdir()}
@@ -82,7 +82,8 @@ def test_adapt_makes_a_drafter_then_a_rerun_skips_every_stage_and_other_settings
     for name in ("write_answers", "convert_backbone", "build_features", "distill_drafter", "finish_drafter"):
         monkeypatch.setattr(adapt_module, name, must_not_run)
     monkeypatch.setattr(adapt_module, "export_stage", must_not_run)
-    assert adapt(output, _settings(tiny_models, export="vllm"))["stages"] == stages
+    monkeypatch.setattr(adapt_module, "evaluate_drafter", must_not_run)
+    assert adapt(output, _exporting(tiny_models))["stages"] == stages
     with pytest.raises(ValueError, match="token_passes: 300 there, 600 asked"):
         adapt(output, **vars(_settings(tiny_models, token_passes=600)))
     with pytest.raises(ValueError, match="answer_batch_size: 32 there, 2 asked"):  # batching changes the answers
@@ -91,7 +92,7 @@ def test_adapt_makes_a_drafter_then_a_rerun_skips_every_stage_and_other_settings
     # Osprey's first block), and keeps the first
     monkeypatch.undo()
     with pytest.raises(ValueError, match="cannot be exported as speculators"):
-        adapt(output, _settings(tiny_models, export="speculators"))
+        adapt(output, _exporting(tiny_models, export="speculators"))
     assert set(json.loads((output / "adapt.json").read_text())["stages"]["export"]["formats"]) == {"vllm"}
     assert (output / "export" / "vllm" / "config.json").is_file()
 
@@ -135,6 +136,12 @@ def test_adapt_evaluates_and_only_a_drafter_that_passes_the_lossless_check_is_ex
     assert json.loads((failing / "adapt.json").read_text())["stages"]["evaluate"]["outputs_checked"] is False
 
 
+def _exporting(root, **overrides) -> AdaptSettings:
+    """Settings that export, hence evaluate first: a short evaluation on the tiny held-out prompts."""
+    values = dict(evaluate=True, eval_prompts=(str(root / "held-out.jsonl"),), held_out_tokens=8, export="vllm")
+    return _settings(root, **(values | overrides))
+
+
 def _replace(settings: AdaptSettings, **changes) -> AdaptSettings:
     return AdaptSettings(**(vars(settings) | changes))
 
@@ -152,6 +159,7 @@ def test_bad_input_is_refused_in_one_line_before_anything_is_written(tiny_models
         (dict(num_prompts=-1), "--num-prompts must be positive"),
         (dict(token_passes=None, budget_minutes=0.0), "--budget must be positive"),
         (dict(max_answer_tokens=0), "--max-new-tokens must be positive"),
+        (dict(export="vllm"), "--export and --push-to-hub wait for the evaluation's lossless check"),
     ]
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")

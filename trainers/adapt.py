@@ -145,6 +145,11 @@ class AdaptSettings:
             raise ValueError("Give one distillation budget: --token-passes or --budget, not both.")
         if self.export not in (None, *EXPORT_FORMATS):
             raise ValueError(f"--export takes one of {', '.join(EXPORT_FORMATS)}, not {self.export!r}.")
+        if not self.evaluate and (self.export or self.push_to_hub):
+            raise ValueError(
+                "--export and --push-to-hub wait for the evaluation's lossless check of the drafter's outputs: drop "
+                "--no-evaluate, or export later with `osprey export` / `osprey push`."
+            )
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"--dtype takes bfloat16 or float32, not {self.dtype!r}.")
         if not self.prompts:
