@@ -83,9 +83,9 @@ def main() -> None:
         },
         "bench": bench.name,
     }
-    output = Path(args.output)
-    output.with_suffix(".json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
-    plot(rows, output.with_suffix(".png"), args.target)
+    # the output is a prefix: a target's name has dots of its own (qwen2.5-coder-0.5b-instruct)
+    Path(f"{args.output}.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+    plot(rows, Path(f"{args.output}.png"), args.target)
     print(json.dumps(record, indent=2, ensure_ascii=False))
 
 
@@ -101,7 +101,7 @@ def plot(rows: dict, path: Path, target: str) -> None:
         axes.annotate(name, (row["minutes"], row["tau"]), textcoords="offset points", xytext=(6, 6))
     axes.set_xlabel("minutes of adaptation for V2 (2 CPU cores)")
     axes.set_ylabel("held-out τ on V2 (chains, greedy)")
-    axes.set_title(f"{target}: updated target, old and re-adapted drafters")
+    axes.set_title(f"{target}, updated: old and re-adapted drafters", fontsize=10)
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)

@@ -26,6 +26,6 @@ $OSPREY bench --target "$RUNS/v2/model" --prompts $HELD_OUT --per-category 10 --
   --output "$RUNS/update-bench.json"
 $PYTHON benchmarks/update/make_target_update.py differ --base $V1 --update "$RUNS/v2/model" --prompts $HELD_OUT \
   --output "$RUNS/v2/differ.json"
-cp "$RUNS/update-bench.json" benchmarks/results/update-$V1-bench.json
+for ext in json md png; do cp "$RUNS/update-bench.$ext" "benchmarks/results/update-$V1-bench.$ext"; done
 $PYTHON benchmarks/update/record.py $V1 --update "$RUNS/v2" --v1 "$RUNS/adapt-$V1" --backbone "$RUNS/update-backbone" \
   --warm "$RUNS/update-warm" --bench benchmarks/results/update-$V1-bench.json --output benchmarks/results/update-$V1
