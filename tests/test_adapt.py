@@ -16,7 +16,7 @@ from test_trainers import char_tokenizer
 from osprey.cli import main as osprey_main
 from osprey.measuring.demo import DECODING_NAME, demo_choice
 from osprey.models import zoo
-from osprey.models.model_card import backbone_card
+from osprey.models.model_card import backbone_card, drafter_card
 from osprey.models.pack import load_drafter
 from trainers import adapt as adapt_module
 from trainers.adapt import AdaptRun, AdaptSettings, adapt, parse_amount, parse_minutes
@@ -326,6 +326,8 @@ def test_a_drafter_adapted_for_one_target_is_adapted_again_for_its_update(tiny_m
     assert all(torch.equal(tensor, old.state_dict()[name]) for name, tensor in init.state_dict().items())
     adaptation = json.loads((output / "drafter" / "osprey_adaptation.json").read_text())
     assert adaptation["parent"] == str(parent)
+    card = str(drafter_card(output / "drafter", "me/drafter-v2"))
+    assert f"from the drafter `{parent}`, made for an earlier\nversion of the target" in card
 
     # what V1's drafter cannot serve is refused, naming why, before anything is written
     refused = tmp_path / "refused"
