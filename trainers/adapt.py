@@ -129,8 +129,9 @@ class AdaptSettings:
         return {name: list(value) if isinstance(value, tuple) else value for name, value in values.items()}
 
     def check(self) -> None:
-        """Refuses bad settings in one line naming the flag, before anything is written or fetched: budgets and
-        counts, the export format, and that the target, the backbone and every prompt source can be had."""
+        """Refuses bad settings in one line naming the flag, before anything is written: budgets and counts, the
+        export format, that the target, the backbone and every prompt source can be had, and that a drafter to start
+        from can serve the target (which reads the target's config and tokenizer)."""
         from osprey.models.zoo import check_model_source
 
         from .corpora.loading import check_dataset_source
