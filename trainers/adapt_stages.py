@@ -52,12 +52,6 @@ def _prompt_records(source: str, split: str = "train"):
     )
 
 
-def text_format(tokenizer) -> str:
-    """How the target is prompted, adapted and evaluated: `chat` through its chat template, or `text` (a base model
-    with none), whose openings it continues as plain text."""
-    return "chat" if tokenizer.chat_template is not None else "text"
-
-
 def answer_text(record: dict) -> str:
     """The target-written part of an `answers/train.jsonl` record, chat or plain text."""
     return record["answer"] if "answer" in record else record["messages"][-1]["content"]
@@ -72,7 +66,7 @@ def write_answers(run, target, tokenizer) -> dict:
     """The target's greedy answers to `num_prompts` openings split evenly over the prompt sources, appended line by
     line to `answers/<i>-<source>.jsonl` (a stopped run resumes), then joined into `answers/train.jsonl`. A target
     without a chat template continues each opening as plain text (`trainers.corpora.regenerate`)."""
-    from .corpora.regenerate import RegenerateArguments, regenerate_split
+    from .corpora.regenerate import RegenerateArguments, regenerate_split, text_format
 
     settings = run.settings
     folder = run.stage_dir("answers")
@@ -284,7 +278,7 @@ def finish_drafter(run, decoding: dict) -> dict:
     return {"path": str(folder)}
 
 
-def held_out_prompts(settings) -> tuple[list, list[str]]:
+def evaluation_prompts(settings) -> tuple[list, list[str]]:
     """The evaluation's prompts (`--eval-prompts`, else `HELD_OUT`'s) and a line for each default suite that could
     not be had here (Spec-Bench, without a data folder) and was left out."""
     from osprey.measuring.bench_suites import available_suites, load_suite, select_subset
@@ -313,10 +307,10 @@ def evaluate_drafter(run, target, tokenizer, decoding: dict) -> dict:
     folder.mkdir(exist_ok=True)
     drafter_dir = run.stage_dir("drafter")
     dtype = getattr(torch, run.settings.dtype)
-    prompts, skipped = held_out_prompts(run.settings)
+    prompts, skipped = evaluation_prompts(run.settings)
     for line in skipped:
         print(f"evaluate: left out: {line}", file=sys.stderr)
-    chat = text_format(tokenizer) == "chat"  # a base model is measured on plain text, as it was adapted
+    chat = decoding.get("chat_template", True)  # a base model is measured on plain text, as it was adapted
     drafter = load_drafter(drafter_dir, dtype)
     held_out = run_benchmark(
         target,

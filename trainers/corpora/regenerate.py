@@ -94,6 +94,12 @@ def opening_text(head: list[dict]) -> str:
     return "\n\n".join(message["content"] for message in head)
 
 
+def text_format(tokenizer) -> str:
+    """How a target is prompted: `chat` through its tokenizer's chat template, or `text` (a base model has none),
+    its openings continued as plain text."""
+    return "chat" if tokenizer.chat_template is not None else "text"
+
+
 def regenerate_split(target, tokenizer, records, path: Path, args: RegenerateArguments, limit: int | None) -> int:
     """Answers the openings of `records` not yet in `path`, appending a line each; returns how many it wrote.
 
@@ -101,7 +107,7 @@ def regenerate_split(target, tokenizer, records, path: Path, args: RegenerateArg
     A base model's tokenizer has none: the opening is plain text cut to its first `max_prompt_tokens` tokens (a
     document's opening is as good a prompt as a whole one), the target continues it, and the line holds the text
     (`text`, with `prompt` and `answer`)."""
-    chat = tokenizer.chat_template is not None
+    chat = text_format(tokenizer) == "chat"
     done = _done_ids(path)
     order = list(range(len(records)))
     random.Random(args.seed).shuffle(order)
@@ -120,7 +126,7 @@ def regenerate_split(target, tokenizer, records, path: Path, args: RegenerateArg
                 todo.append((key, head, prompt))
         else:
             prompt = tokenizer(opening_text(head))["input_ids"][: args.max_prompt_tokens]
-            if len(prompt) > 1:
+            if len(prompt) > 1:  # a lone BOS (an empty opening) gives the target nothing to continue
                 todo.append((key, head, prompt))
     # Batches of similar length waste little on padding; the order inside the file does not matter.
     todo.sort(key=lambda item: len(item[2]))
