@@ -187,16 +187,19 @@ def fetch_reference(reference: str | os.PathLike | None) -> None:
         fetch(str(reference))
 
 
+def did_you_mean(name: str, cutoff: float = 0.6) -> str:
+    """The hint ` Did you mean 'NAME'?` for the zoo name closest to `name` (at least `cutoff` alike), else ""."""
+    closest = difflib.get_close_matches(name, [*ZOO, *BACKBONES], n=1, cutoff=cutoff)
+    return f" Did you mean {closest[0]!r}?" if closest else ""
+
+
 def get_zoo_model(name: str) -> ZooModel | ZooBackbone:
     """The zoo entry called `name`; a `ValueError` listing the known names (and the closest one) otherwise."""
     if name in ZOO:
         return ZOO[name]
     if name in BACKBONES:
         return BACKBONES[name]
-    known = [*ZOO, *BACKBONES]
-    closest = difflib.get_close_matches(name, known, n=1)
-    hint = f" Did you mean {closest[0]!r}?" if closest else ""
-    raise ValueError(f"Unknown zoo model {name!r}.{hint} Known models: {', '.join(known)}.")
+    raise ValueError(f"Unknown zoo model {name!r}.{did_you_mean(name)} Known models: {', '.join([*ZOO, *BACKBONES])}.")
 
 
 def is_cached(name: str, cache_dir: str | os.PathLike | None = None) -> bool:
@@ -406,9 +409,8 @@ def check_model_source(name_or_path: str | os.PathLike, flag: str = "--target") 
             )
         check_safetensors_checkpoint(directory)
         return
-    closest = difflib.get_close_matches(name, [*ZOO, *BACKBONES], n=1, cutoff=0.8)
-    hint = f" Did you mean {closest[0]!r}?" if closest else ""
-    if closest and "/" not in name:  # a near-miss of a zoo name, not a Hub id of the form owner/name
+    hint = did_you_mean(name, cutoff=0.8)  # only a near-miss: a Hub id may resemble a zoo name by chance
+    if hint and "/" not in name:  # a near-miss of a zoo name, not a Hub id of the form owner/name
         raise ValueError(f"{flag} {name!r} is not a zoo model or a directory.{hint} (`osprey fetch --list`)")
     try:
         huggingface_hub.hf_hub_download(name, "config.json")
