@@ -164,6 +164,8 @@ def test_bad_input_is_refused_in_one_line_before_anything_is_written(tiny_models
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     cases.append((dict(prompts=(str(empty),)), "--prompts .*empty.jsonl: the file is empty"))
+    cases.append((dict(eval_prompts=(str(empty),)), "--eval-prompts .*empty.jsonl: it holds no prompts"))
+    cases.append((dict(eval_prompts=(str(tmp_path / "none.jsonl"),)), "--eval-prompts .*none.jsonl.* neither a suite"))
     for change, message in cases:
         with pytest.raises(ValueError, match=message):
             adapt(output, _settings(tiny_models, **change))

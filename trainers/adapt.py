@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from osprey.measuring.bench_suites import CORPUS_SUITES, SUITES
+from osprey.measuring.bench_suites import CORPUS_SUITES, load_suite
 from osprey.measuring.demo import decoding_shape
 from osprey.models.zoo import DEFAULT_BACKBONE
 from osprey.serving.export import FORMATS as EXPORT_FORMATS
@@ -167,8 +167,14 @@ class AdaptSettings:
         for source in self.prompts:
             check_dataset_source(source, "--prompts")
         for source in self.eval_prompts or ():
-            if source not in SUITES + CORPUS_SUITES:
-                check_dataset_source(source, "--eval-prompts")
+            if source in CORPUS_SUITES:  # built on first use, like the training corpora
+                continue
+            try:  # read the way the evaluation reads them (`osprey bench --prompts`), not as a training dataset
+                prompts = load_suite(source)
+            except ValueError as error:
+                raise ValueError(f"--eval-prompts {source}: {error}") from error
+            if not prompts:
+                raise ValueError(f"--eval-prompts {source}: it holds no prompts; give a JSONL file of prompts.")
 
 
 def parse_amount(text: str) -> int:
