@@ -21,7 +21,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from modeling_osprey.generation_osprey import DRAFTING_SETTINGS
 from osprey.decoding.decode import SpeculativeStats, encode_prompt, speculative_generate, target_generate
-from osprey.decoding.near_tie import first_divergence, replay
+from osprey.decoding.near_tie import check_difference, first_divergence
 from osprey.measuring.bench_report import fails
 from osprey.models.pack import custom_generate_folder
 
@@ -435,13 +435,14 @@ def _stream_osprey(request: _Request):
 
 def difference_note(request: _Request, osprey_ids: list[int], target_ids: list[int]) -> str:
     """For a greedy run whose output differs from the target alone's: where, and whether rounding explains it
-    (`osprey.decoding.near_tie.replay`: Osprey decodes again, and the verification forward that decided the first
-    differing token must have chosen it and agree with a clean forward within rounding). Empty when the outputs are
-    equal or when sampling (where they differ by design)."""
+    (`osprey.decoding.near_tie.check_difference`: every token must lie within rounding of a clean forward's best, and
+    Osprey decodes again so that the verification forward that decided the first differing token must have chosen it
+    and agree with a clean forward within rounding). Empty when the outputs are equal or when sampling (where they
+    differ by design)."""
     if request.temperature > 0 or first_divergence(target_ids, osprey_ids) is None:
         return ""
     with request.lock:
-        divergence = replay(
+        divergence = check_difference(
             request.target,
             lambda: _osprey_decode(request, lambda item: None)[0],
             request.input_ids,

@@ -1,8 +1,9 @@
-"""`osprey.decoding.near_tie`: an output that differs from the target alone's is replayed at its first differing token:
-the token must be the argmax of the verification forward that decided it, and that forward's logits must agree with a
-clean forward's within rounding ("rounding (shape-dependent)"), else "UNEXPLAINED". Failing controls: a verifier that
-emits a non-argmax token (a wrong decision) and one that keeps the wrong tree nodes in the cache (a wrong forward); a
-bench run in bf16 labels its differences with the same check."""
+"""`osprey.decoding.near_tie`: an output that differs from the target alone's is audited token by token against one
+clean forward over it, and replayed at its first differing token: the token must be the argmax of the verification
+forward that decided it, and that forward's logits must agree with a clean forward's within rounding ("rounding
+(shape-dependent)"), else "UNEXPLAINED". Failing controls: a verifier that emits a non-argmax token (a wrong decision),
+one that keeps the wrong tree nodes in the cache (a wrong forward), and the realistic bugs of
+`benchmarks/numerics/faults.py`; a bench run in bf16 labels its differences with the same check."""
 
 import copy
 import json
@@ -26,16 +27,26 @@ from osprey.decoding.near_tie import (
     ROUNDING,
     UNEXPLAINED,
     Divergence,
+    audit,
+    check_difference,
     first_divergence,
     float32_margin,
     replay,
     upcast,
 )
 from osprey.measuring.bench import label_divergences, output_sha256, run_benchmark
-from osprey.measuring.bench_report import DIFFERENCES_NOTE, UNCHECKED, exit_status, fails, markdown_table
+from osprey.measuring.bench_report import (
+    DIFFERENCES_NOTE,
+    UNCHECKED,
+    difference_label,
+    exit_status,
+    fails,
+    markdown_table,
+)
 from osprey.measuring.methods import BenchMethod, BenchSettings
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks" / "numerics"))  # old_results.py, beside its script
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks" / "numerics"))  # beside their scripts
+import faults  # noqa: E402
 import old_results  # noqa: E402
 from old_results import output_token_ids  # noqa: E402
 
@@ -124,13 +135,7 @@ def test_upcast_refuses_a_cast_that_would_round():
 def take_the_second_best(monkeypatch) -> None:
     """The failing control for a wrong decision (also in test_demo.py and test_space.py): Osprey's chain verification
     made wrong, emitting the target's second-best token after the accepted drafts instead of its argmax."""
-    verify = decoding_osprey._verify
-
-    def accepts_the_second_best(logits, sequence, drafts, *args):
-        accepted, _ = verify(logits, sequence, drafts, *args)
-        return accepted, logits[0, accepted].float().topk(2).indices[1].view(1, 1)
-
-    monkeypatch.setattr(decoding_osprey, "_verify", accepts_the_second_best)
+    monkeypatch.setattr(decoding_osprey, "_verify", faults.accepts_the_second_best(decoding_osprey._verify))
 
 
 def keep_the_first_tree_nodes(monkeypatch) -> None:
@@ -224,11 +229,51 @@ def test_float32_margin_is_information_from_a_float32_target():
         float32_margin(target.to(torch.bfloat16), prompt_ids, [best], [worst])
 
 
-def test_divergences_saved_before_the_replay_read_as_saved():
+def test_a_near_tie_labelled_by_the_withdrawn_bound_reads_as_not_checked_and_fails():
     legacy = {"position": 3, "target_token": 5, "token": 6, "margin": 0.1, "bound": 0.3, "label": NEAR_TIE}
     divergence = Divergence.from_dict(legacy)
-    assert divergence.label == NEAR_TIE and divergence.margin == 0.1 and NEAR_TIE in divergence.describe()
-    assert not fails(NEAR_TIE)
+    assert divergence.label == NEAR_TIE and divergence.margin == 0.1 and "not checked" in divergence.describe()
+    label = difference_label({"divergence": legacy})
+    assert label == UNCHECKED and fails(label) and not fails(label, allow_unchecked=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_audit_passes_every_honest_output_and_checks_the_tokens_after_the_first_difference(dtype):
+    """Honest decodings (chains and trees) pass the audit in float32 and in bf16. An output made wrong after its first
+    difference, which the replay never looks at, is flagged by the audit, naming the token."""
+    target, drafter = (model.to(dtype) for model in near_copy_pair("llama"))
+    for seed in range(4):
+        prompt_ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(seed))
+        for shape in ({}, TREE):
+            rerun, output = _decode(target, drafter, prompt_ids, **shape)
+            assert audit(target, prompt_ids, output).passed, (seed, shape)
+    reference = output[:4] + [(output[4] + 1) % target.config.vocab_size] + output[5:]
+    assert check_difference(target, rerun, prompt_ids, reference, output).label == ROUNDING
+    wrong = output[:9] + [(output[9] + 1) % target.config.vocab_size] + output[10:]
+    divergence = check_difference(target, rerun, prompt_ids, reference, wrong)
+    assert divergence.label == UNEXPLAINED and divergence.position == 4 and "new token 9 lies" in divergence.reason
+    assert divergence.audit["position"] == 9 and divergence.forward_token is None  # the replay did not run
+
+
+@pytest.mark.parametrize("name", list(faults.FAULTS))
+def test_every_realistic_decoding_bug_is_flagged_where_it_changes_the_output(name):
+    """Each bug of `faults.py` injected into the loop (positions off by one, a rejected draft left in the cache, a
+    tree mask showing a sibling, the bonus token from the wrong row, the second-best token) changes some outputs, and
+    the check flags every one it changes; with the bug taken out, the same prompts decode as the target alone."""
+    target, drafter = near_copy_pair("llama")
+    shape = TREE if faults.SHAPES[name] == "tree" else {}
+    changed = 0
+    for seed in range(12):
+        prompt_ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(seed))
+        reference = target_generate(target, prompt_ids, 16)[0, 8:].tolist()
+        with faults.FAULTS[name](target):
+            rerun, output = _decode(target, drafter, prompt_ids, **shape)
+            divergence = check_difference(target, rerun, prompt_ids, reference, output)
+        if divergence is not None:
+            changed += 1
+            assert divergence.label == UNEXPLAINED, (seed, divergence.describe())
+        assert _decode(target, drafter, prompt_ids, **shape)[1] == reference
+    assert changed >= 1
 
 
 def _bf16_bench():

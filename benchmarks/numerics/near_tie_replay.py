@@ -1,26 +1,27 @@
-"""How well does `osprey.decoding.near_tie.replay` tell rounding from a wrong verifier on a real target?
+"""How well does the output check (`osprey.decoding.near_tie.check_difference`: the audit of every token and the replay
+of the first differing one) tell rounding from realistic decoding bugs on a real target in bf16?
 
-On 25 of the replication's 50 prompts (one of its 2 per category of Spec-Bench, MT-Bench, HumanEval and MMATH:
-`select_subset` with 1 per category, seed 0), the target in bf16 decodes each prompt alone and with the shipped
-drafter twice (`HONEST`: chains, and the demo's trees with a prompt-lookup branch); then once more, in chains, with a
-verifier made wrong on purpose (`SecondBest`: after the accepted drafts it emits the target's second-best token).
-Every output that differs from the target alone's is replayed:
+Two disjoint prompt sets of the replication's 50 (2 per category of Spec-Bench, MT-Bench, HumanEval and MMATH):
+- calibration, the one per category that `select_subset(..., 1, seed 0)` picks (25 prompts): the tolerances
+  (`FORWARD_NOISE`, `AUDIT_NOISE`) are chosen from these;
+- evaluation, the other one per category (25 prompts): no choice looks at them; the results are reported on them.
 
-- honest differences: the share labelled "rounding (shape-dependent)" (`honest_explained`, goal 100%);
-- the wrong verifier's differing outputs: the share labelled UNEXPLAINED (`wrong_flagged`, goal >= 99%), against the
-  share the former check flagged (`former_flagged`: the target's float32 margin at the first differing token beyond
-  `near_tie_bound.rounding_bound`).
-
-It also measures the noise `osprey.decoding.near_tie.FORWARD_NOISE` allows: during each honest decoding, hooks keep the
-verification rows that decided new tokens 0, 12, 24 and 36 of the target alone's output (where the decoding still
-follows it), and each is compared with a clean forward of the same prefix; the largest |difference| / (u * max|z|)
-over all of them is `calibration.max_ratio`.
+On each prompt the target in bf16 decodes alone (the reference) and with the shipped drafter in the two honest shapes
+(`HONEST`: chains, and the demo's trees with a prompt-lookup branch). On the calibration prompts, hooks also keep the
+verification rows that decided new tokens 0, 12, 24 and 36 of the reference, each compared with a clean forward of
+the same prefix (`calibration.forward_max_ratio`, what `FORWARD_NOISE` must exceed); every honest output and the
+reference itself is audited (`calibration.audit_max_ratio`: the largest gap below a clean forward's best logit, what
+`AUDIT_NOISE` must exceed; both in units of u * max|z|). On the evaluation prompts each honest output that differs from
+the reference is checked (`honest_differences`, `honest_explained`), every honest output is audited
+(`honest_audits_passed`), and then the prompt is decoded once more with each realistic bug of `faults.py` injected into
+the loop, in the honest shape it shows in. An output the bug changed (it differs from that shape's honest output and
+from the reference) must be flagged UNEXPLAINED (`controls`: changed, flagged, and by which check).
 
     python benchmarks/numerics/near_tie_replay.py \
         --output benchmarks/results/near-tie-replay-qwen2.5-coder-1.5b-instruct.json
 
-Each prompt's result is appended to OUTPUT's `.jsonl` as it is done, so a stopped run resumes; the float32 margins
-and the summary are computed at the end.
+Each prompt's result is saved in OUTPUT's `.jsonl` as it is done, so a stopped run resumes (`--phase calibration`
+runs only the calibration prompts); the audits of the calibration outputs and the summary are computed at the end.
 """
 
 import argparse
@@ -31,19 +32,19 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from near_tie_bound import rounding_bound
+from faults import FAULTS, SHAPES
 
-import modeling_osprey.decoding_osprey as decoding_osprey
 from osprey.decoding.decode import encode_prompt, speculative_generate, target_generate
 from osprey.decoding.near_tie import (
+    AUDIT_NOISE,
     FORWARD_NOISE,
     ROUNDING,
     UNEXPLAINED,
     UNIT_ROUNDOFF,
     DecidingForward,
+    audit,
+    check_difference,
     first_divergence,
-    replay,
-    upcast,
 )
 from osprey.ground import read_jsonl
 from osprey.measuring.bench_suites import load_suite, select_subset
@@ -51,32 +52,26 @@ from osprey.models.pack import load_drafter
 from osprey.models.zoo import load_causal_lm, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
+SHIPPED_DRAFTER = "osprey/demo_drafter_qwen"
 SUITES = ("spec_bench", "mt_bench", "humaneval", "mmath")
 CALIBRATION_POSITIONS = (0, 12, 24, 36)
 # The honest decodings: chains (the default drafting settings) and the demo's trees with a prompt-lookup branch.
 HONEST = {"chain": {}, "tree-lookup": {"draft_topk": 3, "tree_size": 8, "prompt_lookup_num_tokens": 8}}
+# Each bug decodes in the honest shape it shows in (the tree mask in the demo's trees, the others in chains), so that
+# what it changes is read against the honest output of that shape.
+FAULT_SHAPES = {"chain": "chain", "tree": "tree-lookup"}
 
 
-def replication_prompts(data_dir: str | None) -> list:
-    return [prompt for suite in SUITES for prompt in select_subset(load_suite(suite, data_dir), 1, 0)]
+def prompt_sets(data_dir: str | None) -> dict[str, list]:
+    """The calibration and evaluation prompts: the replication's one and two per category, the second one apart."""
+    every = {suite: load_suite(suite, data_dir) for suite in SUITES}
+    calibration = [prompt for suite in SUITES for prompt in select_subset(every[suite], 1, 0)]
+    both = [prompt for suite in SUITES for prompt in select_subset(every[suite], 2, 0)]
+    return {"calibration": calibration, "evaluation": [prompt for prompt in both if prompt not in calibration]}
 
 
-class SecondBest:
-    """The wrong verifier: chain verification emitting the target's second-best token after the accepted drafts."""
-
-    def __enter__(self):
-        self.verify = decoding_osprey._verify
-        verify = self.verify
-
-        def accepts_the_second_best(logits, sequence, drafts, *args):
-            accepted, _ = verify(logits, sequence, drafts, *args)
-            return accepted, logits[0, accepted].float().topk(2).indices[1].view(1, 1)
-
-        decoding_osprey._verify = accepts_the_second_best
-        return self
-
-    def __exit__(self, *exc_info):
-        decoding_osprey._verify = self.verify
+def prompt_name(prompt) -> str:
+    return f"{prompt.suite}/{prompt.category}/{prompt.prompt_id}"
 
 
 class Calibration:
@@ -113,137 +108,169 @@ class Calibration:
         return ratios
 
 
-@torch.no_grad()
-def former_verdict(target, prompt_ids, reference, output, position) -> dict:
-    """The former check at the first differing token: float32 margin against `rounding_bound` (target in float32)."""
-    ids = torch.tensor([prompt_ids[0].tolist() + reference[:position]])
-    head, captured = target.get_output_embeddings(), {}
-    handle = head.register_forward_hook(lambda module, args, out: captured.update(input=args[0][0, -1]))
-    try:
-        logits = target(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
-    finally:
-        handle.remove()
-    best = int(logits.argmax())
-    lower = min((reference[position], output[position]), key=lambda token: float(logits[token]))
-    margin = float(logits[best] - logits[lower])
-    bound = rounding_bound(
-        logits, captured["input"], head.weight, best, lower, torch.bfloat16, target.config.num_hidden_layers
-    )
-    return {"margin": margin, "bound": bound, "flagged": margin > bound}
+def audit_ratio(target, prompt_ids, output: list[int]) -> float:
+    """The largest gap of `output`'s tokens below a clean forward's best logit, in units of u * max|z|."""
+    checked = audit(target, prompt_ids, output)
+    return checked.gap / checked.tolerance * AUDIT_NOISE
+
+
+def decode_prompt(target, drafter, tokenizer, prompt, kind: str, args, row: dict | None = None) -> dict:
+    """The row of one prompt: the reference and the honest outputs (kept from `row` where it has them), and on an
+    evaluation prompt each bug's output."""
+    eos = target.generation_config.eos_token_id
+    prompt_ids = encode_prompt(tokenizer, prompt.text)
+    length = prompt_ids.shape[1]
+
+    def decode(**shape):
+        return speculative_generate(target, drafter, prompt_ids, args.max_new_tokens, eos_token_id=eos, **shape)[0]
+
+    def checked(output, reference, **shape):
+        divergence = check_difference(target, lambda: decode(**shape), prompt_ids, reference, output)
+        return None if divergence is None else divergence.to_dict()
+
+    if row is None:
+        reference = target_generate(target, prompt_ids, args.max_new_tokens, eos_token_id=eos)[0, length:].tolist()
+        row = {"prompt": prompt_name(prompt), "set": kind, "prompt_tokens": length, "reference": reference}
+        if kind == "calibration":
+            row["calibration"] = []
+        for method, shape in HONEST.items():
+            if kind == "calibration":
+                with Calibration(target, prompt_ids, reference) as calibration:
+                    honest = decode(**shape)[0, length:].tolist()
+                row["calibration"] += calibration.ratios(honest)
+            else:
+                honest = decode(**shape)[0, length:].tolist()
+            row[method] = honest
+            row[f"{method}_divergence"] = checked(honest, reference, **shape)
+    if kind == "evaluation" and "controls" not in row:
+        row["controls"] = {}
+        for name, fault in FAULTS.items():
+            honest = FAULT_SHAPES[SHAPES[name]]
+            with fault(target):
+                output = decode(**HONEST[honest])[0, length:].tolist()
+                row["controls"][name] = {
+                    "output": output,
+                    # what the bug changed: the output differs from the same shape's honest one and from the reference
+                    "changed": output not in (row[honest], row["reference"]),
+                    "divergence": checked(output, row["reference"], **HONEST[honest]),
+                }
+    return row
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--drafter", default=str(ROOT / "osprey" / "demo_drafter_qwen"))
+    parser.add_argument("--drafter", help=f"a drafter directory (default: the shipped one, {SHIPPED_DRAFTER})")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--wrong-max-new-tokens", type=int, default=24, help="the wrong verifier differs early")
+    parser.add_argument("--phase", choices=["calibration", "evaluation", "both"], default="both")
     parser.add_argument("--data-dir")
-    parser.add_argument("--limit", type=int, help="only the first N prompts (a smoke run)")
+    parser.add_argument("--limit", type=int, help="only the first N prompts of each set (a smoke run)")
     parser.add_argument("--output", required=True, type=Path)
     args = parser.parse_args()
 
     torch.set_grad_enabled(False)
     target = load_causal_lm(args.target, dtype=torch.bfloat16).eval()
     tokenizer = load_tokenizer(args.target)
-    drafter = load_drafter(args.drafter, torch.bfloat16, "cpu")
-    eos = target.generation_config.eos_token_id
-    prompts = replication_prompts(args.data_dir)[: args.limit]
+    drafter = load_drafter(args.drafter or ROOT / SHIPPED_DRAFTER, torch.bfloat16, "cpu")
+    sets = {kind: prompts[: args.limit] for kind, prompts in prompt_sets(args.data_dir).items()}
     partial = args.output.with_suffix(".jsonl")
-    done = read_jsonl(partial) if partial.exists() else []
-    seen = {row["prompt"] for row in done}
-    for prompt in prompts:
-        name = f"{prompt.suite}/{prompt.category}/{prompt.prompt_id}"
-        if name in seen:
+    rows = {(row["set"], row["prompt"]): row for row in (read_jsonl(partial) if partial.exists() else [])}
+    for kind in ("calibration", "evaluation") if args.phase == "both" else (args.phase,):
+        for prompt in sets[kind]:
+            row = rows.get((kind, prompt_name(prompt)))
+            if row is not None and (kind == "calibration" or "controls" in row):
+                continue
+            row = rows[kind, prompt_name(prompt)] = decode_prompt(target, drafter, tokenizer, prompt, kind, args, row)
+            _write_rows(partial, rows.values())
+            print(f"{kind} {row['prompt']}: {_labels(row)}", flush=True)
+    done = list(rows.values())
+
+    texts = {prompt_name(prompt): prompt for prompts in sets.values() for prompt in prompts}
+    for row in done:  # the audits' ratios, for the calibration and the honest audit rate
+        if "audit_ratios" in row or row["prompt"] not in texts:
             continue
-        prompt_ids = encode_prompt(tokenizer, prompt.text)
-        length = prompt_ids.shape[1]
-        reference = target_generate(target, prompt_ids, args.max_new_tokens, eos_token_id=eos)[0, length:].tolist()
-
-        def decode(max_new_tokens, prompt_ids=prompt_ids, **shape):
-            return speculative_generate(target, drafter, prompt_ids, max_new_tokens, eos_token_id=eos, **shape)[0]
-
-        row = {"prompt": name, "prompt_tokens": length, "reference": reference, "calibration": []}
-        for method, shape in HONEST.items():
-            with Calibration(target, prompt_ids, reference) as calibration:
-                honest = decode(args.max_new_tokens, **shape)[0, length:].tolist()
-            row["calibration"] += calibration.ratios(honest)
-            row[method] = honest
-            row[f"{method}_divergence"] = _replayed(
-                target, lambda shape=shape: decode(args.max_new_tokens, **shape), prompt_ids, reference, honest
-            )
-        with SecondBest():
-            wrong = decode(args.wrong_max_new_tokens)[0, length:].tolist()
-            shorter = reference[: args.wrong_max_new_tokens]
-            row["wrong"] = wrong
-            row["wrong_divergence"] = _replayed(
-                target, lambda: decode(args.wrong_max_new_tokens), prompt_ids, shorter, wrong
-            )
-        with partial.open("a") as file:
-            file.write(json.dumps(row) + "\n")
-        done.append(row)
-        labels = ", ".join(f"{kind} {_label(row[f'{kind}_divergence'])}" for kind in [*HONEST, "wrong"])
-        print(f"{name}: {labels}", flush=True)
-
-    texts = {f"{p.suite}/{p.category}/{p.prompt_id}": p for p in prompts}
-    with upcast(target):  # the former check, and the float32 margin kept as information
-        for row in done:
-            prompt_ids = encode_prompt(tokenizer, texts[row["prompt"]].text)
-            for kind in [*HONEST, "wrong"]:
-                divergence, reference = row[f"{kind}_divergence"], row["reference"]
-                if (
-                    divergence is not None
-                    and divergence["token"] is not None
-                    and divergence["target_token"] is not None
-                ):
-                    verdict = former_verdict(target, prompt_ids, reference, row[kind], divergence["position"])
-                    divergence["former"] = verdict
-    summary = summarize(done, args)
+        prompt_ids = encode_prompt(tokenizer, texts[row["prompt"]].text)
+        row["audit_ratios"] = {
+            name: audit_ratio(target, prompt_ids, row[name]) for name in ["reference", *HONEST] if row[name]
+        }
+    _write_rows(partial, done)  # with the ratios, kept for a rerun
+    summary = summarize([row for row in done if row["prompt"] in texts], sets, args)
     args.output.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({key: value for key, value in summary.items() if key != "prompts"}, indent=1))
     return 0
 
 
-def _replayed(target, rerun, prompt_ids, reference, output) -> dict | None:
-    divergence = replay(target, rerun, prompt_ids, reference, output)
-    return None if divergence is None else divergence.to_dict()
+def _write_rows(path: Path, rows) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def _labels(row: dict) -> str:
+    labels = [f"{method} {_label(row[f'{method}_divergence'])}" for method in HONEST]
+    labels += [f"{name} {_label(control['divergence'])}" for name, control in row.get("controls", {}).items()]
+    return ", ".join(labels)
 
 
 def _label(divergence: dict | None) -> str:
     return "same" if divergence is None else divergence["label"]
 
 
-def summarize(rows: list[dict], args) -> dict:
-    honest = [row[f"{kind}_divergence"] for row in rows for kind in HONEST if row[f"{kind}_divergence"] is not None]
-    wrong = [row["wrong_divergence"] for row in rows if row["wrong_divergence"] is not None]
-    ratios = [ratio for row in rows for ratio in row["calibration"]]
-    honest_ratios = [d["forward_error"] / d["tolerance"] * FORWARD_NOISE for d in honest if d.get("tolerance")]
+def _flagged_by(divergence: dict) -> str:
+    """Which check flagged an UNEXPLAINED output: the audit (which runs first), or the replay."""
+    audited = divergence.get("audit")
+    return "audit" if audited is not None and audited["gap"] > audited["tolerance"] else "replay"
+
+
+def summarize(rows: list[dict], sets: dict, args) -> dict:
+    calibration = [row for row in rows if row["set"] == "calibration"]
+    evaluation = [row for row in rows if row["set"] == "evaluation"]
+    honest = [row[f"{m}_divergence"] for row in evaluation for m in HONEST if row[f"{m}_divergence"] is not None]
+    controls = {}
+    for name in FAULTS:
+        changed = [row["controls"][name]["divergence"] for row in evaluation if row["controls"][name]["changed"]]
+        flagged = [d for d in changed if d["label"] == UNEXPLAINED]
+        controls[name] = {
+            "shape": HONEST[FAULT_SHAPES[SHAPES[name]]],
+            "changed": len(changed),
+            "flagged": len(flagged),
+            "flagged_by_audit": sum(_flagged_by(d) == "audit" for d in flagged),
+            "flagged_by_replay": sum(_flagged_by(d) == "replay" for d in flagged),
+        }
+    honest_audits = [ratio for row in evaluation for name, ratio in row["audit_ratios"].items() if name in HONEST]
     return {
         "target": args.target,
-        "drafter": args.drafter,
+        "drafter": args.drafter or SHIPPED_DRAFTER,
         "dtype": "bfloat16",
         "device": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
-        "prompts_used": "1 per category of spec_bench, mt_bench, humaneval, mmath (seed 0), in the replication's 50",
-        "num_prompts": len(rows),
         "max_new_tokens": args.max_new_tokens,
-        "wrong_max_new_tokens": args.wrong_max_new_tokens,
-        "decoding": {"honest": HONEST, "wrong": "chains; after the accepted drafts it emits the second-best token"},
+        "honest": HONEST,
         "forward_noise": FORWARD_NOISE,
-        "calibration": {"positions": len(ratios), "max_ratio": max(ratios, default=None)},
+        "audit_noise": AUDIT_NOISE,
+        "calibration_prompts": [prompt_name(prompt) for prompt in sets["calibration"]],
+        "evaluation_prompts": [prompt_name(prompt) for prompt in sets["evaluation"]],
+        "calibration": {
+            "forward_rows": sum(len(row["calibration"]) for row in calibration),
+            "forward_max_ratio": max((r for row in calibration for r in row["calibration"]), default=None),
+            "honest_forward_max_ratio": max(
+                (
+                    d["forward_error"] / d["tolerance"] * FORWARD_NOISE
+                    for row in calibration
+                    for m in HONEST
+                    if (d := row[f"{m}_divergence"]) is not None and d.get("tolerance")
+                ),
+                default=None,
+            ),
+            "outputs_audited": sum(len(row["audit_ratios"]) for row in calibration),
+            "audit_max_ratio": max((r for row in calibration for r in row["audit_ratios"].values()), default=None),
+        },
         "honest_differences": len(honest),
-        "honest_explained": sum(d["label"] == ROUNDING for d in honest) / len(honest) if honest else None,
-        "honest_forward_ratio_max": max(honest_ratios, default=None),
-        "wrong_differences": len(wrong),
-        "wrong_flagged": sum(d["label"] == UNEXPLAINED for d in wrong) / len(wrong) if wrong else None,
-        "former_flagged": _share(wrong, lambda d: d.get("former", {}).get("flagged", True)),
-        "former_honest_explained": _share(honest, lambda d: not d.get("former", {}).get("flagged", True)),
+        "honest_explained": sum(d["label"] == ROUNDING for d in honest),
+        "honest_outputs_audited": len(honest_audits),
+        "honest_audits_passed": sum(ratio <= AUDIT_NOISE for ratio in honest_audits),
+        "honest_audit_max_ratio": max(honest_audits, default=None),
+        "controls": controls,
         "prompts": rows,
     }
-
-
-def _share(divergences: list[dict], predicate) -> float | None:
-    return sum(bool(predicate(d)) for d in divergences) / len(divergences) if divergences else None
 
 
 if __name__ == "__main__":

@@ -11,12 +11,14 @@ token); the prefill is not a step. For `generate` methods the steps are read off
 each call its KV cache holds every decided token but the last, so consecutive calls show what each one decided.
 Forward hooks also time the target's prefill and verification calls and the drafter's calls; the rest is overhead.
 
-Greedy outputs that differ from the target alone's are labelled after the run (`label_divergences`) by an exact
-replay of the verification forward that decided the first differing token (`osprey.decoding.near_tie.replay`): "rounding
-(shape-dependent)" when the token is that forward's argmax and its logits agree with a clean forward's within
-rounding, "UNEXPLAINED" otherwise, which makes `osprey bench` exit with status 1; so does a difference left "not
-checked" unless `--allow-unchecked` is passed. A difference to label in results saved
-before the bench kept token ids is refused: `benchmarks/numerics/label_differences.py` labels those.
+Greedy outputs that differ from the target alone's are labelled after the run (`label_divergences`) by the output
+check (`osprey.decoding.near_tie.check_difference`): an audit of every emitted token against one clean teacher-forced
+forward, and an exact replay of the verification forward that decided the first differing token. "rounding
+(shape-dependent)" when every token lies within rounding of that clean forward's best and the first differing one is
+its verification forward's argmax with logits a clean forward's up to rounding, "UNEXPLAINED" otherwise, which makes
+`osprey bench` exit with status 1; so does a difference left "not checked" unless `--allow-unchecked` is passed. A
+difference to label in results saved before the bench kept token ids is refused:
+`benchmarks/numerics/label_differences.py` labels those.
 
 Results are saved after every request; re-running with the same `--output` skips the requests already there.
 """
@@ -37,7 +39,7 @@ from tqdm.auto import tqdm
 from modeling_osprey.decoding_osprey import default_tree_size
 
 from ..decoding.decode import add_decoding_arguments, encode_prompt
-from ..decoding.near_tie import float32_margin, replay, upcast
+from ..decoding.near_tie import check_difference, float32_margin, upcast
 from ..ground import ForwardHooks
 from .bench_report import (
     add_allow_unchecked_argument,
@@ -260,8 +262,9 @@ def run_benchmark(
 
 def label_divergences(target, tokenizer, results: dict, prompts: list[BenchPrompt], methods: list[BenchMethod]) -> None:
     """Gives every greedy request whose output differs from the target alone's on the same prompt its `divergence`
-    (`osprey.decoding.near_tie.replay`: the method decodes that prompt again, the verification forward that decided the
-    first differing token is checked, "rounding (shape-dependent)" or "UNEXPLAINED"), and equal ones `divergence: None`.
+    (`osprey.decoding.near_tie.check_difference`: every token audited against a clean forward, and the method decodes
+    that prompt again so that the verification forward that decided the first differing token is checked; "rounding
+    (shape-dependent)" or "UNEXPLAINED"), and equal ones `divergence: None`.
     Then, as information, the target's float32 margin there (one float32 pass for all; skipped where the target does not
     fit in float32). Requests already labelled are skipped, and so are those whose prompt is not in `prompts` or whose
     method is not in `methods` (left "not checked"). A differing request, or its target-alone reference, saved without
@@ -291,7 +294,7 @@ def label_divergences(target, tokenizer, results: dict, prompts: list[BenchPromp
         method, prompt = by_name[row["method"]], by_key[key]
         prompt_ids = encode_prompt(tokenizer, prompt.text, settings.chat_template).to(target.device)
         seed = request_seed(settings, prompt)
-        divergence = replay(
+        divergence = check_difference(
             target,
             partial(_sequence, method, target, prompt_ids, settings, eos_token_id, seed),
             prompt_ids,

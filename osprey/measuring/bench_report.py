@@ -9,9 +9,10 @@ Definitions (the `evaluate` modules under `metrics/` compute the same from users
 - time split: the share of decoding time in the target's prefill and verification calls, in the drafter's calls
   (SpS's assistant for SpS), and in everything else (the loop, sampling, prompt lookup).
 - output = target (greedy): the share of requests whose output equals the target alone's on the same prompt; every
-  other one is labelled "rounding (shape-dependent)" or "UNEXPLAINED" by a replay of its first differing token
-  (`osprey.decoding.near_tie.replay`), or "not checked" where that check could not run, and the table lists each.
-  UNEXPLAINED and "not checked" fail the run (`fails`).
+  other one is labelled "rounding (shape-dependent)" or "UNEXPLAINED" by the output check (an audit of every token
+  and a replay of the first differing one, `osprey.decoding.near_tie.check_difference`), or "not checked" where that
+  check could not run, and the table lists each. UNEXPLAINED and "not checked" fail the run (`fails`); so does the
+  label results carried before the check ("near tie", by a withdrawn bound), read as "not checked".
 """
 
 import sys
@@ -62,8 +63,8 @@ def _record(method: str, suite: str, category: str, rows: list[dict], baseline_r
             differing = [row for row, base in paired if row["output_sha256"] != base["output_sha256"]]
             matches = 1 - len(differing) / len(paired)
             labels = {label: 0 for label in (ROUNDING, UNEXPLAINED, UNCHECKED)}
-            for row in differing:  # results labelled before the replay may hold NEAR_TIE
-                labels[difference_label(row)] = labels.get(difference_label(row), 0) + 1
+            for row in differing:
+                labels[difference_label(row)] += 1
     return {
         "method": method,
         "suite": suite,
@@ -164,17 +165,21 @@ def markdown_table(results: dict) -> str:
 DIFFERENCES_NOTE = (
     "Outputs that differ from the target's own, each at its first differing new token: in half precision a "
     "verification forward over several tokens does not round like the target's one-token forwards "
-    "(`benchmarks/numerics/bf16_row_invariance.py`), so a near tie can flip. Each is replayed "
-    f'(`osprey.decoding.near_tie.replay`). "{ROUNDING}": the token is the argmax of the verification forward that '
-    "decided it, "
-    "and that forward's logits agree with a clean forward's within rounding; \"UNEXPLAINED\": one of the two fails, "
-    "which rounding cannot explain."
+    "(`benchmarks/numerics/bf16_row_invariance.py`), so a near tie can flip. Each is checked "
+    f'(`osprey.decoding.near_tie.check_difference`). "{ROUNDING}": every token of the output lies within rounding '
+    "of the best logit of one clean forward over it, and the first differing token is the argmax of the "
+    "verification forward that decided it, whose logits agree with a clean forward's within rounding; "
+    '"UNEXPLAINED": one of these fails, which rounding cannot explain.'
+    f' "{UNCHECKED}": no check examined it (a "near tie" label saved by the withdrawn bound reads as this).'
 )
 
 
 def difference_label(row: dict) -> str:
-    """The label of a request whose output differs from the target alone's: its `divergence`'s, or UNCHECKED."""
-    return (row.get("divergence") or {}).get("label", UNCHECKED)
+    """The label of a request whose output differs from the target alone's: its `divergence`'s, or UNCHECKED. A
+    NEAR_TIE label, saved by the bound the replay replaced (it compared the float32 margin with a statistical bound
+    and checked no forward), reads as UNCHECKED: nothing the current check ran vouches for it."""
+    label = (row.get("divergence") or {}).get("label", UNCHECKED)
+    return UNCHECKED if label == NEAR_TIE else label
 
 
 def differing_requests(results: dict) -> list[dict]:
@@ -238,9 +243,7 @@ def _share(record: dict) -> str:
     if matches is None:
         return "–"
     counts = record.get("differences") or {}
-    labels = ", ".join(
-        f"{count} {label}{'s' if label == NEAR_TIE and count > 1 else ''}" for label, count in counts.items() if count
-    )
+    labels = ", ".join(f"{count} {label}" for label, count in counts.items() if count)
     return f"{matches:.0%}" + (f" ({labels})" if labels else "")
 
 
