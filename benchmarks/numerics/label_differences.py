@@ -12,6 +12,12 @@ prompt again and its output must hash the same.
 
     python benchmarks/numerics/label_differences.py benchmarks/results/replication-qwen2.5-coder-1.5b-instruct.json
 
+`--withdraw-near-ties` loads no model: it takes off every "near tie" label (given by the bound the replay replaced,
+which checked no forward), so those differences read "not checked" until labelled again, and rewrites the records and
+the table.
+
+    python benchmarks/numerics/label_differences.py --withdraw-near-ties $(grep -rl '"near tie"' benchmarks/results)
+
 Prompts come from the suites the results name (`spec_bench`, `mt_bench`, `humaneval`, `mmath`, the demo's `demo`) or
 from `--prompts FILE` (a JSONL file or folder, named as the bench named it). Results saved without their dtype need
 `--dtype`. Exit status 1 if any difference is UNEXPLAINED or could not be checked ("not checked", allowed with
@@ -29,6 +35,7 @@ import torch
 from old_results import label_divergences_rebuilding_ids, output_token_ids
 
 from osprey.decoding.decode import encode_prompt, target_generate
+from osprey.decoding.near_tie import NEAR_TIE
 from osprey.measuring.bench import output_sha256, summarize
 from osprey.measuring.bench_report import (
     add_allow_unchecked_argument,
@@ -101,6 +108,26 @@ def load_methods(results: dict, tokenizer, dtype: torch.dtype) -> list:
     return methods
 
 
+def withdraw_near_ties(path: Path) -> int:
+    """Takes the NEAR_TIE labels off the requests of the results at `path`, rewriting its records and its table;
+    returns how many."""
+    results = json.loads(path.read_text())
+    withdrawn = [row for row in results["requests"] if (row.get("divergence") or {}).get("label") == NEAR_TIE]
+    for row in withdrawn:
+        del row["divergence"]
+    if withdrawn:
+        _write(results, path)
+    return len(withdrawn)
+
+
+def _write(results: dict, path: Path) -> None:
+    """The results and their records, and the table where there is one (the plots are left as they are)."""
+    results["records"] = summarize(results)
+    path.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    if path.with_suffix(".md").exists():
+        path.with_suffix(".md").write_text(markdown_table(results))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+", type=Path, help="`osprey bench` results JSON files")
@@ -108,8 +135,17 @@ def main() -> int:
     parser.add_argument("--data-dir")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="for results saved without it")
     parser.add_argument("--relabel", action="store_true", help="label again requests already labelled")
+    parser.add_argument(
+        "--withdraw-near-ties",
+        action="store_true",
+        help=f'only take off "{NEAR_TIE}" labels (no model is loaded): those differences become "not checked"',
+    )
     add_allow_unchecked_argument(parser)
     args = parser.parse_args()
+    if args.withdraw_near_ties:
+        for path in args.results:
+            print(f"{path}: {withdraw_near_ties(path)} {NEAR_TIE} label(s) taken off")
+        return 0
     status = 0
     loaded = {}
     for path in args.results:
@@ -132,10 +168,7 @@ def main() -> int:
         unreproduced = redecode_references(target, tokenizer, results, prompts, eos_ids)
         methods = load_methods(results, tokenizer, getattr(torch, dtype))
         label_divergences_rebuilding_ids(target, tokenizer, results, prompts, eos_ids, methods)
-        results["records"] = summarize(results)
-        path.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
-        if path.with_suffix(".md").exists():  # the table, rewritten from the JSON (the plots are left as they are)
-            path.with_suffix(".md").write_text(markdown_table(results))
+        _write(results, path)
         counts = Counter(difference_label(row) for row in differing_requests(results))
         print(f"{path}: {dict(counts)}; target outputs not reproduced: {unreproduced}")
         status |= any(fails(label, args.allow_unchecked) for label in counts) or bool(unreproduced)
