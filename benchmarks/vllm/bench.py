@@ -1,8 +1,8 @@
-"""Osprey in vLLM against vLLM's own speculative decoding, in one run: vLLM alone, ngram (prompt lookup), a draft model
-(the target's small sibling), an EAGLE-3 drafter (stock vLLM, `osprey export --format speculators`), an Osprey
-drafter (the osprey-vllm plugin, `--format vllm`) at one draft length, and the same drafter with the draft length per
-batch size that its export recommends (`osprey-schedule`: the export's `speculative_config.json`, or `--schedule DIR`
-from `osprey tune`), each at every concurrency of `--concurrency`.
+"""Osprey in vLLM against vLLM's own speculative decoding, in interleaved rounds: vLLM alone, ngram (prompt lookup), a
+draft model (the target's small sibling), an EAGLE-3 drafter (stock vLLM, `osprey export --format speculators`), an
+Osprey drafter (the osprey-vllm plugin, `--format vllm`) at one draft length, and the same drafter with the draft
+length per batch size that its export recommends (`osprey-schedule`: the export's `speculative_config.json`, or
+`--schedule DIR` from `osprey tune`), each at every concurrency of `--concurrency`.
 
     python benchmarks/vllm/bench.py --target qwen2.5-coder-1.5b-instruct --drafter osprey=DIR --drafter eagle3=DIR \\
         --sps qwen2.5-coder-0.5b-instruct --per-category 1 --max-new-tokens 64 --concurrency 1 2 4 8 \\
@@ -12,21 +12,25 @@ First each speculative method's draft length (vLLM's `num_speculative_tokens`) i
 the bench's (`held_out_prompts`: the next seeded prompt of each category, `--tune-prompts` of them evenly spaced), by
 tokens/s at one request at a time (`osprey-schedule` keeps its schedule's); then every method decodes the bench's
 prompts with its chosen length at each concurrency N: all the prompts, at most N in the engine at once. Every engine
-is a subprocess in vLLM's environment (`osprey/serving/vllm_engine.py`, `--vllm-python`), vLLM's default multi-process
-engine (engine core and worker in their own processes, as a server runs), without the prefix cache (`job_of` says why),
-greedy, in the target's `--dtype`, eager (`enforce_eager`: an engine start without torch.compile takes ~1 min here
-instead of 2-4); `--omp-threads-bind` and `--reserved-cpus` set vLLM's `VLLM_CPU_OMP_THREADS_BIND` and
-`VLLM_CPU_NUM_OF_RESERVED_CPU`, and every record keeps the CPU settings its engine ran with. Each engine's result is
-kept in `--work-dir`, so a rerun resumes. tau is vLLM's mean acceptance length (1 + accepted draft tokens per draft,
-from its spec-decode counters); speedup is tokens/s over vLLM alone's at the same concurrency. With `--profile`, a
-separate in-process run at the largest concurrency times the target's and the drafter's forward passes of those methods
-(where the time goes). Writes OUTPUT (`records`: method, concurrency, tau, tokens_per_s, speedup; plus the tuning, the
-schedule, the profile and the settings) and OUTPUT's .md and .png.
-"""
+is a subprocess in vLLM's environment (`osprey/serving/vllm_engine.py`, `--vllm-python`), vLLM's default
+multi-process engine (engine core and worker in their own processes, as a server runs), without the prefix cache
+(`job_of` says why), greedy, in the target's `--dtype`, eager (`enforce_eager`: an engine start without torch.compile
+takes ~1 min here instead of 2-4); `--omp-threads-bind` and `--reserved-cpus` set vLLM's `VLLM_CPU_OMP_THREADS_BIND`
+and `VLLM_CPU_NUM_OF_RESERVED_CPU`, and every record keeps the CPU settings its engine ran with. Each engine's result
+is kept in `--work-dir`, so a rerun resumes. The bench runs `--rounds` rounds, each method's engine once per round,
+vLLM alone first: a machine whose speed drifts over a run (this one's did, by more than the differences claimed)
+moves every method of a round alike. tau is vLLM's mean acceptance length (1 + accepted draft tokens per draft, from
+its spec-decode counters); a round's speedup is tokens/s over vLLM alone's in that round at the same concurrency, and
+each record keeps the median over rounds with the rounds' minimum and maximum; "faster" or "slower" only where every
+round agrees. With `--profile`, a separate in-process run at the largest concurrency times the target's and the
+drafter's forward passes of those methods (where the time goes). Writes OUTPUT (`records`: method, concurrency, tau,
+tokens_per_s, speedup, rounds, speedup_median / _min / _max; plus the tuning, the schedule, the profile and the
+settings) and OUTPUT's .md and .png."""
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -150,13 +154,19 @@ def tune(args, drafts, target_dir, prompt_ids) -> dict:
     return tuning
 
 
-def bench(args, drafts, target_dir, prompt_ids, chosen) -> dict:
-    results = {}
-    for method in args.methods:
-        config = speculative_config(method, chosen.get(method, 0), drafts)
-        job = job_of(args, target_dir, config, prompt_ids, args.concurrency)
-        results[method] = run_engine(args, f"bench-{method}", job)
-    return results
+def bench(args, drafts, target_dir, prompt_ids, chosen) -> list[dict]:
+    """Each method's engine result, round by round: within a round every method runs once, vLLM alone first, so that
+    a drift of the machine over the run reaches every method alike and each ratio pairs runs of one round."""
+    rounds = []
+    for round_index in range(args.rounds):
+        results = {}
+        for method in args.methods:
+            config = speculative_config(method, chosen.get(method, 0), drafts)
+            job = job_of(args, target_dir, config, prompt_ids, args.concurrency)
+            name = f"bench-{method}" if round_index == 0 else f"bench-{method}-round{round_index + 1}"
+            results[method] = run_engine(args, name, job)
+        rounds.append(results)
+    return rounds
 
 
 def profile(args, drafts, target_dir, prompt_ids, chosen) -> dict:
@@ -193,30 +203,49 @@ def profile(args, drafts, target_dir, prompt_ids, chosen) -> dict:
     return profiles
 
 
-def records_of(results: dict, chosen: dict) -> list[dict]:
-    alone = {phase["concurrency"]: phase for phase in results["vllm"]["phases"]}
+def records_of(rounds: list[dict], chosen: dict) -> list[dict]:
+    """One record per method and concurrency. Its speedup is the median over rounds of the method's tokens/s over
+    vLLM alone's in the same round (`speedup_rounds`, with their minimum and maximum); tokens/s, τ and the rest are
+    the median round's (by speedup)."""
     records = []
-    for method, result in results.items():
-        cpu = {name: value for name, value in result.get("env", {}).items() if value is not None}
-        for phase in result["phases"]:
-            baseline = alone[phase["concurrency"]]
-            same = sum(a == b for a, b in zip(phase["outputs"], baseline["outputs"]))
+    for method in rounds[0]:
+        for index, phase in enumerate(rounds[0][method]["phases"]):
+            pairs = [(results[method]["phases"][index], results["vllm"]["phases"][index]) for results in rounds]
+            speedups = [mine["tokens_per_s"] / alone["tokens_per_s"] for mine, alone in pairs]
+            middle = sorted(range(len(pairs)), key=lambda r: speedups[r])[(len(pairs) - 1) // 2]  # lower middle
+            (mine, alone), result = pairs[middle], rounds[middle][method]
+            same = sum(a == b for a, b in zip(mine["outputs"], alone["outputs"]))
             records.append(
                 {
                     "method": method,
                     "concurrency": phase["concurrency"],
                     "num_speculative_tokens": chosen.get(method),
-                    "tau": phase["tau"],
-                    "tokens_per_s": phase["tokens_per_s"],
-                    "speedup": phase["tokens_per_s"] / baseline["tokens_per_s"],
-                    "new_tokens": phase["new_tokens"],
-                    "seconds": phase["seconds"],
-                    "accepted_per_position": phase["spec_decode"]["num_accepted_tokens_per_pos"],
-                    "outputs_identical_to_vllm": f"{same}/{len(phase['outputs'])}",
-                    "cpu_settings": cpu,
+                    "tau": mine["tau"],
+                    "tokens_per_s": mine["tokens_per_s"],
+                    "speedup": statistics.median(speedups),
+                    "rounds": len(rounds),
+                    "speedup_median": statistics.median(speedups),
+                    "speedup_min": min(speedups),
+                    "speedup_max": max(speedups),
+                    "speedup_rounds": speedups,
+                    "verdict": verdict(speedups) if method != "vllm" else None,
+                    "new_tokens": mine["new_tokens"],
+                    "seconds": mine["seconds"],
+                    "accepted_per_position": mine["spec_decode"]["num_accepted_tokens_per_pos"],
+                    "outputs_identical_to_vllm": f"{same}/{len(mine['outputs'])}",
+                    "cpu_settings": {name: value for name, value in result.get("env", {}).items() if value is not None},
                 }
             )
     return records
+
+
+def verdict(speedups: list[float]) -> str:
+    """A win where every round's ratio is above 1.0, a loss where every one is below, else within the spread."""
+    if min(speedups) > 1.0:
+        return "faster"
+    if max(speedups) < 1.0:
+        return "slower"
+    return "within spread"
 
 
 def _lengths_note(summary: dict) -> str:
@@ -236,7 +265,8 @@ def _lengths_note(summary: dict) -> str:
 
 def write_report(output: Path, summary: dict) -> None:
     lines = [
-        f"# {summary['target']} in vLLM {summary['vllm_version']}: speculative methods, one run",
+        f"# {summary['target']} in vLLM {summary['vllm_version']}: speculative methods, "
+        f"{summary.get('rounds', 1)} interleaved round(s)",
         "",
         f"{summary['num_prompts']} prompts ({summary['prompts']}), greedy, {summary['max_new_tokens']} new tokens at "
         f"most, {summary['dtype']}, eager, {summary['device']}. {_lengths_note(summary)}; osprey-schedule drafts "
@@ -244,14 +274,19 @@ def write_report(output: Path, summary: dict) -> None:
         f"{summary['schedule']['from']}). vLLM's engine: {summary['engine']}; CPU settings "
         f"{summary['cpu_settings'] or 'vLLM defaults'}.",
         "",
-        "| method | draft length | concurrency | τ | tokens/s | speedup | outputs identical to vLLM alone |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "Speedup: the median over rounds of tokens/s over vLLM alone's in the same round, with the rounds' range; "
+        "a method is faster or slower only where every round says so. τ, tokens/s and outputs: the median round's.",
+        "",
+        "| method | draft length | concurrency | τ | tokens/s | speedup (median) | rounds' range | verdict "
+        "| outputs identical to vLLM alone |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in summary["records"]:
         tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
         lines.append(
             f"| {r['method']} | {r['num_speculative_tokens'] or ''} | {r['concurrency']} | {tau} | "
-            f"{r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {r['outputs_identical_to_vllm']} |"
+            f"{r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {r['speedup_min']:.2f}-{r['speedup_max']:.2f} | "
+            f"{r['verdict'] or ''} | {r['outputs_identical_to_vllm']} |"
         )
     if summary.get("profile"):
         lines += [
@@ -280,11 +315,12 @@ def write_report(output: Path, summary: dict) -> None:
     figure, axes = plt.subplots(1, len(concurrencies), figsize=(5 * len(concurrencies), 3.5), squeeze=False)
     for axis, concurrency in zip(axes[0], concurrencies):
         rows = [r for r in summary["records"] if r["concurrency"] == concurrency]
-        axis.bar([r["method"] for r in rows], [r["speedup"] for r in rows], color="#4c72b0")
+        spread = [[r["speedup"] - r["speedup_min"] for r in rows], [r["speedup_max"] - r["speedup"] for r in rows]]
+        axis.bar([r["method"] for r in rows], [r["speedup"] for r in rows], yerr=spread, capsize=3, color="#4c72b0")
         axis.tick_params(axis="x", labelrotation=45)
         axis.axhline(1.0, color="grey", linewidth=0.8)
         axis.set_title(f"concurrency {concurrency}")
-        axis.set_ylabel("speedup over vLLM alone")
+        axis.set_ylabel("speedup over vLLM alone (median, range)")
     figure.suptitle(f"{summary['target']} in vLLM ({summary['dtype']}, {summary['device']})")
     figure.tight_layout()
     figure.savefig(output.with_suffix(".png"), dpi=100)
@@ -318,6 +354,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tune-prompts", type=int, default=8, help="held-out prompts for the tuning (default: 8)")
     parser.add_argument("--num-draft-tokens", action="append", default=[], metavar="METHOD=N,N", help="tuning grid")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds: every method once per round (default: 3)"
+    )
     parser.add_argument(
         "--concurrency", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrent requests (default: 1 2 4 8)"
     )
@@ -377,7 +416,7 @@ def main(argv=None) -> int:
     if "osprey-schedule" in args.methods:
         chosen["osprey-schedule"] = drafts["osprey-schedule"]["num_speculative_tokens"]
     bench_ids = encode(bench_prompts, tokenizer)
-    results = bench(args, drafts, target_dir, bench_ids, chosen)
+    rounds = bench(args, drafts, target_dir, bench_ids, chosen)
     profiles = profile(args, drafts, target_dir, bench_ids, chosen)
     version = subprocess.run(
         [args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
@@ -407,7 +446,8 @@ def main(argv=None) -> int:
         "cpu_settings": engine_env(args),
         "tuning": tuning,
         "chosen": chosen,
-        "records": records_of(results, chosen),
+        "rounds": args.rounds,
+        "records": records_of(rounds, chosen),
         "profile": profiles,
     }
     output = Path(args.output)
