@@ -227,8 +227,13 @@ class Audit:
         return self.gap <= self.tolerance
 
     def describe(self) -> str:
+        if self.gap == 0:
+            return f"each of its {self.checked} tokens a clean forward's argmax"
         if self.passed:
-            return f"all {self.checked} tokens within {self.tolerance:.3f} of a clean forward's best"
+            return (
+                f"each of its {self.checked} tokens within rounding of a clean forward's best (the closest, new token "
+                f"{self.position}, {self.gap:.3f} below it, within {self.tolerance:.3f})"
+            )
         return (
             f"new token {self.position} lies {self.gap:.3f} below the best logit of a clean forward over the output, "
             f"beyond the {self.tolerance:.3f} rounding allows"
