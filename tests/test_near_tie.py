@@ -204,6 +204,26 @@ def test_replay_flags_a_wrong_forward(monkeypatch):
     assert flagged >= 2
 
 
+@pytest.mark.parametrize("name", ["sibling_visible", "positions_off_by_one"])
+def test_replay_flags_a_forward_whose_mask_or_positions_show_a_row_tokens_off_its_path(name):
+    """A tree mask that shows a draft its sibling, or draft positions off by one, may move the logits by no more than
+    rounding does; the replay holds every forward of the decoding to one visible token per position up to each row's
+    own, which a correct chain or tree forward always meets, and names the row that does not."""
+    target, drafter = near_copy_pair("llama")
+    shape = TREE if faults.SHAPES[name] == "tree" else {}
+    flagged = 0
+    for seed in range(6):
+        prompt_ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(seed))
+        reference = target_generate(target, prompt_ids, 16)[0, 8:].tolist()
+        with faults.FAULTS[name](target):
+            rerun, output = _decode(target, drafter, prompt_ids, **shape)
+            divergence = replay(target, rerun, prompt_ids, reference, output)
+        if divergence is not None:
+            assert divergence.label == UNEXPLAINED and "see new tokens at positions" in divergence.reason
+            flagged += 1
+    assert flagged >= 1
+
+
 def test_replay_flags_what_it_cannot_reproduce_or_find():
     target, drafter = near_copy_pair("llama")
     prompt_ids = torch.tensor([[5, 17, 33, 90, 12, 7]])

@@ -21,7 +21,8 @@ from the reference) must be flagged UNEXPLAINED (`controls`: changed, flagged, a
         --output benchmarks/results/near-tie-replay-qwen2.5-coder-1.5b-instruct.json
 
 Each prompt's result is saved in OUTPUT's `.jsonl` as it is done, so a stopped run resumes (`--phase calibration`
-runs only the calibration prompts); the audits of the calibration outputs and the summary are computed at the end.
+runs only the calibration prompts; `--recheck` checks every saved output again, after a change to the check); the
+audits' ratios and the summary are computed at the end.
 """
 
 import argparse
@@ -116,17 +117,13 @@ def audit_ratio(target, prompt_ids, output: list[int]) -> float:
 
 def decode_prompt(target, drafter, tokenizer, prompt, kind: str, args, row: dict | None = None) -> dict:
     """The row of one prompt: the reference and the honest outputs (kept from `row` where it has them), and on an
-    evaluation prompt each bug's output."""
+    evaluation prompt each bug's output; then `check_row`."""
     eos = target.generation_config.eos_token_id
     prompt_ids = encode_prompt(tokenizer, prompt.text)
     length = prompt_ids.shape[1]
 
     def decode(**shape):
         return speculative_generate(target, drafter, prompt_ids, args.max_new_tokens, eos_token_id=eos, **shape)[0]
-
-    def checked(output, reference, **shape):
-        divergence = check_difference(target, lambda: decode(**shape), prompt_ids, reference, output)
-        return None if divergence is None else divergence.to_dict()
 
     if row is None:
         reference = target_generate(target, prompt_ids, args.max_new_tokens, eos_token_id=eos)[0, length:].tolist()
@@ -136,24 +133,40 @@ def decode_prompt(target, drafter, tokenizer, prompt, kind: str, args, row: dict
         for method, shape in HONEST.items():
             if kind == "calibration":
                 with Calibration(target, prompt_ids, reference) as calibration:
-                    honest = decode(**shape)[0, length:].tolist()
-                row["calibration"] += calibration.ratios(honest)
+                    row[method] = decode(**shape)[0, length:].tolist()
+                row["calibration"] += calibration.ratios(row[method])
             else:
-                honest = decode(**shape)[0, length:].tolist()
-            row[method] = honest
-            row[f"{method}_divergence"] = checked(honest, reference, **shape)
+                row[method] = decode(**shape)[0, length:].tolist()
     if kind == "evaluation" and "controls" not in row:
         row["controls"] = {}
         for name, fault in FAULTS.items():
             honest = FAULT_SHAPES[SHAPES[name]]
             with fault(target):
                 output = decode(**HONEST[honest])[0, length:].tolist()
-                row["controls"][name] = {
-                    "output": output,
-                    # what the bug changed: the output differs from the same shape's honest one and from the reference
-                    "changed": output not in (row[honest], row["reference"]),
-                    "divergence": checked(output, row["reference"], **HONEST[honest]),
-                }
+            # what the bug changed: the output differs from the same shape's honest one and from the reference
+            row["controls"][name] = {"output": output, "changed": output not in (row[honest], row["reference"])}
+    return check_row(target, drafter, prompt_ids, row, args)
+
+
+def check_row(target, drafter, prompt_ids, row: dict, args) -> dict:
+    """Gives each output of `row` (honest, and each bug's with the bug in place) that lacks one its verdict against
+    the reference: `check_difference`, decoding again in the output's shape where the replay runs."""
+    eos = target.generation_config.eos_token_id
+
+    def checked(output, shape):
+        def rerun():
+            return speculative_generate(target, drafter, prompt_ids, args.max_new_tokens, eos_token_id=eos, **shape)[0]
+
+        divergence = check_difference(target, rerun, prompt_ids, row["reference"], output)
+        return None if divergence is None else divergence.to_dict()
+
+    for method, shape in HONEST.items():
+        if f"{method}_divergence" not in row:
+            row[f"{method}_divergence"] = checked(row[method], shape)
+    for name, control in row.get("controls", {}).items():
+        if "divergence" not in control:
+            with FAULTS[name](target):
+                control["divergence"] = checked(control["output"], HONEST[FAULT_SHAPES[SHAPES[name]]])
     return row
 
 
@@ -165,6 +178,9 @@ def main() -> int:
     parser.add_argument("--phase", choices=["calibration", "evaluation", "both"], default="both")
     parser.add_argument("--data-dir")
     parser.add_argument("--limit", type=int, help="only the first N prompts of each set (a smoke run)")
+    parser.add_argument(
+        "--recheck", action="store_true", help="check every saved output again (after a change to the check)"
+    )
     parser.add_argument("--output", required=True, type=Path)
     args = parser.parse_args()
 
@@ -175,10 +191,16 @@ def main() -> int:
     sets = {kind: prompts[: args.limit] for kind, prompts in prompt_sets(args.data_dir).items()}
     partial = args.output.with_suffix(".jsonl")
     rows = {(row["set"], row["prompt"]): row for row in (read_jsonl(partial) if partial.exists() else [])}
+    if args.recheck:
+        for row in rows.values():
+            for key in [f"{method}_divergence" for method in HONEST]:
+                row.pop(key, None)
+            for control in row.get("controls", {}).values():
+                control.pop("divergence", None)
     for kind in ("calibration", "evaluation") if args.phase == "both" else (args.phase,):
         for prompt in sets[kind]:
             row = rows.get((kind, prompt_name(prompt)))
-            if row is not None and (kind == "calibration" or "controls" in row):
+            if row is not None and (kind == "calibration" or "controls" in row) and _checked(row):
                 continue
             row = rows[kind, prompt_name(prompt)] = decode_prompt(target, drafter, tokenizer, prompt, kind, args, row)
             _write_rows(partial, rows.values())
@@ -198,6 +220,12 @@ def main() -> int:
     args.output.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({key: value for key, value in summary.items() if key != "prompts"}, indent=1))
     return 0
+
+
+def _checked(row: dict) -> bool:
+    return all(f"{method}_divergence" in row for method in HONEST) and all(
+        "divergence" in control for control in row.get("controls", {}).values()
+    )
 
 
 def _write_rows(path: Path, rows) -> None:

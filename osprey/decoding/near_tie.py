@@ -19,6 +19,8 @@ differ. `check_difference` tells them apart for one differing output:
   2. The decision: the token the output has there must be that forward's argmax.
   3. The forward: its logits there must agree with a clean forward of the same prefix within the noise this dtype
      shows on honest runs (`FORWARD_NOISE`).
+  4. Every forward of the decoding: each row sees exactly one of the new tokens at each position up to its own (a
+     correct mask and positions, whose errors may move logits by no more than rounding does).
 
 All hold: "rounding (shape-dependent)". Anything fails, the replay does not reproduce the output, or no forward
 decided that token: "UNEXPLAINED", which fails the bench, the demo and the Space
@@ -121,13 +123,19 @@ class DecidingForward(ForwardHooks):
     `prompt_length + position - 1` that sees, among the forward's new tokens, exactly `sequence`'s tokens from the
     cache's end up to its own. The last such row wins (a later step re-deciding a position supersedes an earlier
     one). Rows are read off the forward's inputs: `position_ids` (else `cache_position`, else the cache's length
-    onwards) and a 4-D attention mask (else causal)."""
+    onwards) and a 4-D attention mask (else causal).
+
+    Every forward is also held to what any correct verification forward is, whatever its rounding: each row sees, among
+    the forward's new tokens, exactly one token at each position from the cache's end up to its own, and nothing else
+    (a chain's causal mask, a tree's ancestors). `off_path` keeps the first row that does not (its position and the
+    positions it sees): a mask that shows a row its sibling, or positions that skip or repeat, whose effect on the
+    logits may be as small as rounding's."""
 
     def __init__(self, target, sequence: list[int], prompt_length: int, position: int):
         super().__init__(target)
         self.sequence = sequence
         self.decided_at = prompt_length + position - 1  # the absolute position of the row that predicts `position`
-        self.logits, self._pending = None, None
+        self.logits, self._pending, self.off_path = None, None, None
 
     def _before(self, module, args, kwargs):
         input_ids, cached = self.fed(args, kwargs)
@@ -137,10 +145,16 @@ class DecidingForward(ForwardHooks):
             positions = kwargs.get("cache_position")
         positions = (torch.arange(fed) + cached) if positions is None else positions.reshape(-1)[-fed:].cpu()
         self._pending = None
+        seen = _seen_new_tokens(kwargs.get("attention_mask"), fed)
+        if self.off_path is None:
+            for row in range(fed):
+                visible = sorted(int(positions[column]) for column in seen[row].nonzero().view(-1).tolist())
+                if visible != list(range(cached, int(positions[row]) + 1)):
+                    self.off_path = (int(positions[row]), visible)
+                    break
         rows = (positions == self.decided_at).nonzero().view(-1).tolist()
         if not rows:
             return
-        seen = _seen_new_tokens(kwargs.get("attention_mask"), fed)
         tokens = input_ids[0].tolist()
         for row in rows:
             path = sorted((int(positions[column]), tokens[column]) for column in seen[row].nonzero().view(-1).tolist())
@@ -192,6 +206,15 @@ def replay(
         replayed = rerun()[0, len(prompt) :].tolist()
     if replayed != output:
         return Divergence(position, expected, got, reason="decoding again gave another output (not deterministic)")
+    if deciding.off_path is not None:
+        row_position, visible = deciding.off_path
+        return Divergence(
+            position,
+            expected,
+            got,
+            reason=f"a verification forward let its row at position {row_position} see new tokens at positions "
+            f"{visible}, not one at each position up to its own",
+        )
     if deciding.logits is None:
         return Divergence(position, expected, got, reason="no target forward decided this token")
     row = deciding.logits
