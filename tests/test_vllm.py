@@ -26,6 +26,7 @@ from modeling_osprey.target_features import TargetFeatureCapture
 from osprey import OspreyConfig, OspreyForDrafting
 from osprey.decoding.decode import speculative_generate
 from osprey.serving.export import VLLM, export_drafter
+from osprey.serving.vllm_schedule import OSPREY_SPECULATIVE_OPTIONS, read_speculative_config
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_SCRIPT = Path(__file__).resolve().parent / "vllm_engine.py"
@@ -191,8 +192,18 @@ def served(request, vllm_python, workdir):
     drafter = random_drafter(arch, **({"hidden_size": TARGET_SHAPE["hidden_size"]} if arch == "llama" else {}))
     exported = export(drafter, directory, directory / "target")
     alone = succeeded(run_engine(vllm_python, workdir, f"{arch}-alone", target=directory / "target"))
+    # Served with the options the export recommends (greedy drafts from the drafter's own vocabulary).
+    options = {key: read_speculative_config(exported)[key] for key in OSPREY_SPECULATIVE_OPTIONS}
     speculative = succeeded(
-        run_engine(vllm_python, workdir, f"{arch}-osprey", target=directory / "target", drafter=exported, record=True)
+        run_engine(
+            vllm_python,
+            workdir,
+            f"{arch}-osprey",
+            target=directory / "target",
+            drafter=exported,
+            record=True,
+            speculative_options=options,
+        )
     )
     first_pass = load_file(workdir / f"{arch}-osprey.first_pass.safetensors")
     return target, drafter, alone, speculative, first_pass
@@ -231,9 +242,10 @@ def test_vllm_drafter_reproduces_osprey_drafting_logits(served):
 
 @torch.no_grad()
 def test_vllm_greedy_output_with_an_osprey_drafter_is_the_target_alone(served):
-    target, _, alone, speculative, _ = served
+    target, _, alone, speculative, first_pass = served
     assert speculative["outputs"] == alone["outputs"]
     assert speculative["spec_decode"]["num_drafts"] > 0  # speculation really ran
+    assert int(first_pass["top_tokens_calls"]) > 0  # the drafts came from `get_top_tokens`, as the export asks
     # vLLM alone decodes as transformers' greedy `generate` does.
     for prompt, output in zip(PROMPTS, alone["outputs"]):
         generated = target.generate(
@@ -359,7 +371,8 @@ def vllm_counters(run: dict) -> dict:
 def test_vllm_accepts_at_every_draft_position_what_osprey_decoding_accepts(vllm_python, workdir, block):
     """Every draft step, not only the first, is served as `OspreyForDrafting` computes it: vLLM's accepted drafts per
     position (`num_accepted_tokens_per_pos`, summed over the prompts) equal, exactly, those of Osprey's own loop
-    (`speculative_generate`) with the same drafter, float32, greedy, K = 3, for Qwen2-block and Llama-block drafters.
+    (`speculative_generate`) with the same drafter, float32, greedy, K = 3, for Qwen2-block and Llama-block drafters;
+    the first served with the export's speculative options (greedy drafts from `get_top_tokens`), the second without.
 
     The drafter is random, not copying: it shares the embedding, final norm and head of a target whose blocks add
     nothing (so the target's next token is a function of the current one), and its blocks keep their random output
@@ -391,6 +404,13 @@ def test_vllm_accepts_at_every_draft_position_what_osprey_decoding_accepts(vllm_
             prompts=PER_POSITION_PROMPTS,
             max_tokens=PER_POSITION_MAX_TOKENS,
             controls=list(CONTROLS),
+            # Qwen2 blocks: served with the export's options (drafts read by `get_top_tokens`); Llama: without them
+            # (drafts read off `compute_logits`), as a speculative config written by hand would have it.
+            speculative_options=(
+                {key: read_speculative_config(exported)[key] for key in OSPREY_SPECULATIVE_OPTIONS}
+                if block == "qwen2"
+                else {}
+            ),
         )
     )
     expected = osprey_counters(target, drafter, PER_POSITION_PROMPTS, PER_POSITION_MAX_TOKENS)

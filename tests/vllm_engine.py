@@ -9,7 +9,9 @@ script generates greedily in float32 with the target's tokenizer skipped, and wr
   tokens, accepted per position) and the acceptance length they give;
 - with `"record": true`, `JOB.first_pass.safetensors`: what the drafter saw and computed on its first forward over
   the first prompt (token ids, positions, the target's tap states before `fc`, and logits at every position), read
-  with hooks on the drafter inside vLLM's worker;
+  with hooks on the drafter inside vLLM's worker, and how often the proposer read greedy drafts from the drafter's
+  `get_top_tokens` (`top_tokens_calls`);
+- `"speculative_options"`: more keys of vLLM's speculative config (those of the export's `speculative_config.json`);
 - with `"controls": [NAME, ...]`, the prompts generated again once per control, each with the drafter broken on
   purpose inside vLLM's worker (`CONTROLS`; test hooks, never used in serving), in `result["controls"][NAME]`
   (outputs and the spec-decode counters of that pass alone).
@@ -54,13 +56,29 @@ def install_recorder(worker) -> bool:
 
     model.combine_hidden_states = combine_hidden_states
     model.forward = recording_forward
+    if hasattr(model, "get_top_tokens"):  # counted: which way the proposer read the greedy drafts
+        get_top_tokens = model.get_top_tokens
+        record["top_tokens_calls"] = 0
+
+        def counted_get_top_tokens(hidden_states):
+            record["top_tokens_calls"] += 1
+            return get_top_tokens(hidden_states)
+
+        model.get_top_tokens = counted_get_top_tokens
     worker._osprey_record = record
     return True
 
 
 def read_record(worker) -> dict:
     record = worker._osprey_record
-    return {name: record[name].cpu() for name in ("input_ids", "positions", "taps", "logits")}
+    tensors = {name: record[name].cpu() for name in ("input_ids", "positions", "taps", "logits")}
+    return {**tensors, "top_tokens_calls": torch_scalar(record.get("top_tokens_calls", 0))}
+
+
+def torch_scalar(value: int):
+    import torch
+
+    return torch.tensor([value])
 
 
 # Ways to break the drafter's later draft steps (2 to K), for a test's failing control; a draft's first step, which
@@ -126,6 +144,7 @@ def main(job_path: str) -> None:
             "method": "eagle3",
             "model": job["drafter"],
             "num_speculative_tokens": job.get("num_speculative_tokens", 3),
+            **job.get("speculative_options", {}),
         }
     llm = LLM(
         model=job["target"],

@@ -46,7 +46,7 @@ from osprey.models import zoo  # noqa: E402
 from osprey.serving.export import SPECULATORS, VLLM, export_drafter  # noqa: E402
 from osprey.serving.tune import find_vllm_python  # noqa: E402
 from osprey.serving.tune import run_engine as run_engine_job  # noqa: E402
-from osprey.serving.vllm_schedule import read_speculative_config  # noqa: E402
+from osprey.serving.vllm_schedule import OSPREY_SPECULATIVE_OPTIONS, read_speculative_config  # noqa: E402
 
 METHODS = ("vllm", "ngram", "draft-model", "eagle3", "osprey", "osprey-schedule")
 DEFAULT_GRID = {"ngram": [3, 5], "draft-model": [3, 5], "eagle3": [2, 3, 4], "osprey": [2, 3, 4]}
@@ -65,7 +65,8 @@ def speculative_config(method: str, num_tokens: int, drafts: dict) -> dict | Non
         return {"method": "ngram", "num_speculative_tokens": num_tokens, **NGRAM_LOOKUP}
     if method == "draft-model":
         return {"method": "draft_model", "model": drafts[method], "num_speculative_tokens": num_tokens}
-    return {"method": "eagle3", "model": drafts[method], "num_speculative_tokens": num_tokens}
+    options = OSPREY_SPECULATIVE_OPTIONS if method == "osprey" else {}  # stock EAGLE-3 has no get_top_tokens
+    return {"method": "eagle3", "model": drafts[method], "num_speculative_tokens": num_tokens, **options}
 
 
 def engine_env(args) -> dict:

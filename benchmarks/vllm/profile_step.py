@@ -37,7 +37,9 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-SETTINGS = ("vllm", "osprey-k3", "osprey-k0", "ngram")
+# osprey-k3-top-tokens: K = 3 served as the export's speculative_config.json says (`use_local_argmax_reduction`:
+# greedy drafts from the drafter's own vocabulary); osprey-k3 without it, as vLLM serves an EAGLE-3 drafter by default.
+SETTINGS = ("vllm", "osprey-k3", "osprey-k3-top-tokens", "osprey-k0", "ngram")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -109,14 +111,17 @@ def speculative_config(setting: str, drafter: str) -> dict | None:
         return None
     if setting == "ngram":
         return dict(NGRAM)
-    schedule = [[1, 256, 3 if setting == "osprey-k3" else 0]]
+    schedule = [[1, 256, 0 if setting == "osprey-k0" else 3]]
     # K = 0 only exists through the per-batch-size schedule (docs/serving.md, "Draft length per batch size").
-    return {
+    config = {
         "method": "eagle3",
         "model": drafter,
         "num_speculative_tokens": 3,
         "num_speculative_tokens_per_batch_size": schedule,
     }
+    if setting == "osprey-k3-top-tokens":
+        config["use_local_argmax_reduction"] = True
+    return config
 
 
 class Buckets:

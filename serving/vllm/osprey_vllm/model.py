@@ -59,3 +59,15 @@ class Eagle3OspreyForCausalLM(Eagle3LlamaForCausalLM):
             # Same parameters, another forward: re-classing keeps the layer's registration (its attention's name in
             # vLLM's forward context and KV-cache layout) that building a second layer 0 would duplicate.
             self.model.layers[0].__class__ = OspreyFusionLayer
+
+    def get_top_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The greedy draft tokens as target ids: the argmax over the draft vocabulary, then `d2t`. vLLM's proposers
+        call it in place of `compute_logits(...).argmax()` when the speculative config sets
+        `use_local_argmax_reduction` (the export's `speculative_config.json` does): `compute_logits` first widens
+        every row to the target's vocabulary (a row of -inf with the draft logits scattered in), which costs more
+        than the drafter's own forward on a CPU. The tokens are the same: the export's `d2t` maps draft ids to
+        increasing target ids, so the first maximum in draft order is the first in target order."""
+        top = self.logits_processor.get_top_tokens(self.lm_head, hidden_states)
+        if self.draft_id_to_target_id is not None:
+            top = top + self.draft_id_to_target_id[top]
+        return top
