@@ -168,7 +168,8 @@ DIFFERENCES_NOTE = (
     "(`benchmarks/numerics/bf16_row_invariance.py`), so a near tie can flip. Each is checked "
     f'(`osprey.decoding.near_tie.check_difference`). "{ROUNDING}": every token of the output lies within rounding '
     "of the best logit of one clean forward over it, and the first differing token is the argmax of the "
-    "verification forward that decided it, whose logits agree with a clean forward's within rounding; "
+    "verification forward that decided it, whose logits agree with a clean forward's within rounding, and every "
+    "forward showed each row only its own path; "
     '"UNEXPLAINED": one of these fails, which rounding cannot explain.'
     f' "{UNCHECKED}": no check examined it (a "near tie" label saved by the withdrawn bound reads as this).'
 )
@@ -222,9 +223,10 @@ def exit_status(results: dict, allow_unchecked: bool = False) -> int:
     counts = Counter(difference_label(row) for row in differing_requests(results))
     if counts[UNEXPLAINED]:
         print(
-            f"{counts[UNEXPLAINED]} output(s) differ from the target alone's where a replay shows no rounding "
-            "explains it (a token that is not its verification forward's argmax, or a forward that disagrees with a "
-            "clean one): lossless verification should never do that. See the table's list; rerun with --dtype "
+            f"{counts[UNEXPLAINED]} output(s) differ from the target alone's where no rounding explains it (a token "
+            "far below a clean forward's best, one that is not its verification forward's argmax, a forward that "
+            "disagrees with a clean one, or a mask or positions off the draft's path): lossless verification should "
+            "never do that. See the table's list; rerun with --dtype "
             "float32 to check exactness.",
             file=sys.stderr,
         )
