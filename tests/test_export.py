@@ -25,7 +25,7 @@ from transformers import LlamaConfig
 from osprey import OspreyConfig, OspreyForDrafting
 from osprey.serving import export as export_module
 from osprey.serving.export import SGLANG, SPECULATORS, VLLM, export_drafter
-from osprey.serving.vllm_schedule import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_SCHEDULE
+from osprey.serving.vllm_schedule import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_SCHEDULE, OSPREY_SPECULATIVE_OPTIONS
 
 TAPS = [1, 3, 6]
 FUSED_SHARDS = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj"}
@@ -417,6 +417,7 @@ def test_vllm_export_writes_its_speculative_config_and_the_serve_line(tmp_path, 
         "model": str((tmp_path / "a").resolve()),
         "num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS,
         "num_speculative_tokens_per_batch_size": DEFAULT_SCHEDULE,
+        **OSPREY_SPECULATIVE_OPTIONS,  # greedy drafts read off the drafter's own vocabulary (`get_top_tokens`)
     }
     assert f'--model Qwen/Qwen3-8B --speculative-config "$(cat {tmp_path / "a" / "speculative_config.json"})"' in out
     tuned = tmp_path / "tuned"
