@@ -146,7 +146,8 @@ class DecidingForward(ForwardHooks):
         positions = (torch.arange(fed) + cached) if positions is None else positions.reshape(-1)[-fed:].cpu()
         self._pending = None
         seen = _seen_new_tokens(kwargs.get("attention_mask"), fed)
-        if self.off_path is None:
+        given = kwargs.get("attention_mask") is not None or kwargs.get("position_ids") is not None
+        if self.off_path is None and given:  # without either, the forward is causal over consecutive positions
             for row in range(fed):
                 visible = sorted(int(positions[column]) for column in seen[row].nonzero().view(-1).tolist())
                 if visible != list(range(cached, int(positions[row]) + 1)):
