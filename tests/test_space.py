@@ -86,13 +86,13 @@ def test_generate_streams_highlighted_osprey_output_equal_to_the_target_alone(sp
 
 def test_a_differing_output_is_replayed_and_a_wrong_decision_reported(space, tiny_models, monkeypatch):
     """Equal outputs get no note; a verification that takes the target's second-best token (the control) makes the
-    outputs differ, and the page says where and that the replay finds a decoding bug
-    (`osprey.decoding.near_tie.replay`)."""
+    outputs differ, and the page says where and that the check finds a decoding bug: the audit of every token
+    (`osprey.decoding.near_tie.check_difference`) names a token far below a clean forward's best."""
     final = dict(zip(OUTPUT_NAMES, list(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 40))[-1]))
     assert "outputs differ" not in final["tree"]
     take_the_second_best(monkeypatch)
     final = dict(zip(OUTPUT_NAMES, list(space.generate(PROMPT, "tiny-llama", "near-copy", 4, 0, 40))[-1]))
-    note = r"The outputs differ from new token \d+</b>: a decoding bug .*UNEXPLAINED .*not its verification forward"
+    note = r"The outputs differ from new token \d+</b>: a decoding bug .*UNEXPLAINED .*token \d+ lies .* below the best"
     assert re.search(note, final["tree"])
 
 
