@@ -180,3 +180,12 @@ class ForwardHooks:
         input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
         cache = kwargs.get("cache")
         return input_ids, 0 if cache is None else int(cache.get_seq_length())
+
+    @staticmethod
+    def positions(kwargs, fed: int, cached: int) -> torch.LongTensor:
+        """The positions of a forward call's `fed` new tokens, as the model reads them: `position_ids`, else
+        `cache_position`, else the cache's length onwards."""
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = kwargs.get("cache_position")
+        return torch.arange(fed) + cached if positions is None else positions.reshape(-1)[-fed:]

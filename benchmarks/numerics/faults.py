@@ -102,10 +102,7 @@ def positions_off_by_one(target):
         fed = input_ids.shape[1]
         if cached == 0 or fed == 1:  # the prefill and one-token steps verify no draft
             return args, kwargs
-        positions = kwargs.get("position_ids")
-        if positions is None:
-            positions = (torch.arange(fed, device=input_ids.device) + cached)[None]
-        positions = positions.clone()
+        positions = ForwardHooks.positions(kwargs, fed, cached).to(input_ids.device).clone()[None]
         positions[:, 1:] += 1
         return args, {**kwargs, "position_ids": positions}
 

@@ -41,11 +41,11 @@ from osprey.decoding.near_tie import (
     FORWARD_NOISE,
     ROUNDING,
     UNEXPLAINED,
-    UNIT_ROUNDOFF,
     DecidingForward,
     audit,
     check_difference,
     first_divergence,
+    unit_roundoff,
 )
 from osprey.ground import read_jsonl
 from osprey.measuring.bench_suites import load_suite, select_subset
@@ -97,7 +97,7 @@ class Calibration:
     @torch.no_grad()
     def ratios(self, output: list[int]) -> list[float]:
         """|verification row - clean forward| / (u max|z|) at each position the decoding reached along the reference."""
-        u = UNIT_ROUNDOFF[next(self.target.parameters()).dtype]
+        u = unit_roundoff(self.target)
         same = first_divergence(self.reference, output)
         ratios = []
         for position, hook in self.hooks.items():
@@ -123,7 +123,7 @@ def decode_prompt(target, drafter, tokenizer, prompt, kind: str, args, row: dict
     length = prompt_ids.shape[1]
 
     def decode(**shape):
-        return speculative_generate(target, drafter, prompt_ids, args.max_new_tokens, eos_token_id=eos, **shape)[0]
+        return decode_in(shape, target, drafter, prompt_ids, args)
 
     if row is None:
         reference = target_generate(target, prompt_ids, args.max_new_tokens, eos_token_id=eos)[0, length:].tolist()
@@ -148,14 +148,19 @@ def decode_prompt(target, drafter, tokenizer, prompt, kind: str, args, row: dict
     return check_row(target, drafter, prompt_ids, row, args)
 
 
+def decode_in(shape: dict, target, drafter, prompt_ids, args) -> torch.LongTensor:
+    """The full sequence Osprey decodes for `prompt_ids` in drafting `shape` (every decoding here, and its replay)."""
+    eos = target.generation_config.eos_token_id
+    return speculative_generate(target, drafter, prompt_ids, args.max_new_tokens, eos_token_id=eos, **shape)[0]
+
+
 def check_row(target, drafter, prompt_ids, row: dict, args) -> dict:
     """Gives each output of `row` (honest, and each bug's with the bug in place) that lacks one its verdict against
     the reference: `check_difference`, decoding again in the output's shape where the replay runs."""
-    eos = target.generation_config.eos_token_id
 
     def checked(output, shape):
         def rerun():
-            return speculative_generate(target, drafter, prompt_ids, args.max_new_tokens, eos_token_id=eos, **shape)[0]
+            return decode_in(shape, target, drafter, prompt_ids, args)
 
         divergence = check_difference(target, rerun, prompt_ids, row["reference"], output)
         return None if divergence is None else divergence.to_dict()

@@ -54,6 +54,13 @@ FORWARD_NOISE = 8.0
 # logits.
 AUDIT_NOISE = 4.0
 ROUNDING, UNEXPLAINED = "rounding (shape-dependent)", "UNEXPLAINED"
+
+
+def unit_roundoff(model) -> float:
+    """The unit roundoff of the dtype `model` runs in (float32's for a dtype not listed)."""
+    return UNIT_ROUNDOFF.get(next(model.parameters()).dtype, UNIT_ROUNDOFF[torch.float32])
+
+
 # The label results labelled before the replay existed carry (the float32 margin against a statistical bound, which
 # checked no forward): read, never given now, and counted as not checked (`osprey.measuring.bench_report`).
 NEAR_TIE = "near tie"
@@ -117,6 +124,11 @@ def first_divergence(reference: list[int], output: list[int]) -> int | None:
     return None if len(reference) == len(output) else min(len(reference), len(output))
 
 
+def _tokens_at(position: int, *outputs: list[int]) -> list[int | None]:
+    """Each output's token at `position` (None where it ended before)."""
+    return [output[position] if position < len(output) else None for output in outputs]
+
+
 class DecidingForward(ForwardHooks):
     """Hooks on `target` that keep the logits of the forward row that decided the new token at `position` of
     `sequence` (prompt and output, `prompt_length` tokens of prompt): the row at absolute position
@@ -140,10 +152,7 @@ class DecidingForward(ForwardHooks):
     def _before(self, module, args, kwargs):
         input_ids, cached = self.fed(args, kwargs)
         fed = input_ids.shape[1]
-        positions = kwargs.get("position_ids")
-        if positions is None:
-            positions = kwargs.get("cache_position")
-        positions = (torch.arange(fed) + cached) if positions is None else positions.reshape(-1)[-fed:].cpu()
+        positions = self.positions(kwargs, fed, cached).cpu()
         self._pending = None
         seen = _seen_new_tokens(kwargs.get("attention_mask"), fed)
         given = kwargs.get("attention_mask") is not None or kwargs.get("position_ids") is not None
@@ -198,8 +207,7 @@ def replay(
     position = first_divergence(reference, output)
     if position is None:
         return None
-    expected = reference[position] if position < len(reference) else None
-    got = output[position] if position < len(output) else None
+    expected, got = _tokens_at(position, reference, output)
     if expected is None or got is None:
         return Divergence(position, expected, got, reason="the outputs differ in length only")
     prompt = prompt_ids[0].tolist()
@@ -221,9 +229,8 @@ def replay(
     row = deciding.logits
     ids = torch.tensor([prompt + output[:position]], device=target.device)
     clean = target(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
-    dtype = next(target.parameters()).dtype
     forward_token, error = int(row.argmax()), float((row - clean).abs().max())
-    tolerance = FORWARD_NOISE * UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF[torch.float32]) * float(clean.abs().max())
+    tolerance = FORWARD_NOISE * unit_roundoff(target) * float(clean.abs().max())
     found = dict(forward_token=forward_token, forward_error=error, tolerance=tolerance)
     if forward_token != got:
         return Divergence(position, expected, got, **found, reason="the token is not its verification forward's argmax")
@@ -273,11 +280,9 @@ def audit(target, prompt_ids: torch.LongTensor, output: list[int]) -> Audit:
         raise ValueError("audit needs at least one new token")
     ids = torch.cat([prompt_ids[0].cpu(), torch.tensor(output[:-1], dtype=prompt_ids.dtype)])[None]
     logits = target(input_ids=ids.to(target.device), use_cache=False, logits_to_keep=len(output)).logits[0].float()
-    dtype = next(target.parameters()).dtype
-    unit = UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF[torch.float32])
     tokens = torch.tensor(output, device=logits.device)[:, None]
     gaps = logits.max(dim=-1).values - logits.gather(1, tokens)[:, 0]
-    tolerances = AUDIT_NOISE * unit * logits.abs().max(dim=-1).values
+    tolerances = AUDIT_NOISE * unit_roundoff(target) * logits.abs().max(dim=-1).values
     worst = int((gaps / tolerances).argmax())
     return Audit(len(output), worst, float(gaps[worst]), float(tolerances[worst]))
 
@@ -300,9 +305,9 @@ def check_difference(
     if output:
         audited = audit(target, prompt_ids, output)
         if not audited.passed:
-            expected = reference[position] if position < len(reference) else None
-            got = output[position] if position < len(output) else None
-            return Divergence(position, expected, got, audit=asdict(audited), reason=audited.describe())
+            return Divergence(
+                position, *_tokens_at(position, reference, output), audit=asdict(audited), reason=audited.describe()
+            )
     divergence = replay(target, rerun, prompt_ids, reference, output)
     return divergence if not output else replace(divergence, audit=asdict(audited))
 
